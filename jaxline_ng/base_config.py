@@ -1,0 +1,115 @@
+"""The base configuration every jaxline_ng experiment config starts from.
+
+Keys and defaults are jaxline's, so published configs keep their meaning.
+Experiment configs add their own keys freely (usually under
+`experiment_kwargs.config`, often at the top level too); validation only
+insists that the keys below are present and well-formed.
+"""
+
+import ml_collections
+
+INTERVAL_TYPES = ("secs", "steps")
+CHECKPOINTERS = ("memory",)
+
+
+def get_base_config() -> ml_collections.ConfigDict:
+  """Returns a config with every key the platform reads, set to its default."""
+  config = ml_collections.ConfigDict()
+
+  config.random_seed = 42
+  # None means "until `should_run_step` says stop" (e.g. epoch-based runs).
+  config.training_steps = 10_000
+  config.experiment_kwargs = ml_collections.ConfigDict()
+
+  # Periodic actions. `interval_type` applies to every interval unless the
+  # specific `*_interval_type` key overrides it.
+  config.interval_type = "secs"
+  config.save_checkpoint_interval = 300
+  config.log_tensors_interval = 60
+  # Writing train scalars to TensorBoard/JSONL; None turns it off.
+  config.log_train_data_interval = 120.0
+  config.logging_interval_type = None
+  config.checkpoint_interval_type = None
+  # e.g. (1, 2, 5): also act at steps 1, 2, 5, 10, 20, 50, 100, ...
+  config.periodic_action_growth_ratios = None
+  config.log_all_train_data = False
+
+  # Writers.
+  config.log_async = True
+  config.log_all_hosts = False
+
+  # Checkpointing.
+  config.checkpoint_dir = "/tmp/jaxline_ng"
+  config.checkpointer = "memory"
+  config.max_checkpoints_to_keep = 5
+  config.save_initial_train_checkpoint = False
+  config.train_checkpoint_all_hosts = False
+  config.best_checkpoint_all_hosts = False
+  # A checkpoint directory to start a fresh run from ("" for none).
+  config.restore_path = ""
+
+  # Evaluation.
+  config.eval_initial_weights = False
+  config.one_off_evaluate = False
+  config.eval_specific_checkpoint_dir = ""
+  config.best_model_eval_metric = ""
+  config.best_model_eval_metric_higher_is_better = True
+
+  # Randomness.
+  config.random_mode_train = "unique_host_unique_device"
+  config.random_mode_eval = "same_host_same_device"
+  config.legacy_random_seed_behavior = False
+
+  return config
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message names the key and the value."""
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the first missing or malformed base key.
+
+  Keys beyond the base ones are allowed: published configs add their own.
+  """
+  from jaxline_ng import rng  # Deferred: rng imports JAX, config files should not.
+
+  for key in get_base_config().keys():
+    if key not in config:
+      raise ConfigError(
+          f"config is missing the base key {key!r}: build configs on "
+          "jaxline_ng.base_config.get_base_config()")
+
+  for key in ("interval_type", "logging_interval_type", "checkpoint_interval_type"):
+    value = config[key]
+    if value is None and key != "interval_type":
+      continue
+    if value not in INTERVAL_TYPES:
+      raise ConfigError(
+          f"config.{key}={value!r} is not an interval type; expected one of "
+          f"{', '.join(INTERVAL_TYPES)}")
+
+  for key in ("random_mode_train", "random_mode_eval"):
+    try:
+      rng.check_random_mode(config[key], key)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  if config.checkpointer not in CHECKPOINTERS:
+    raise ConfigError(
+        f"config.checkpointer={config.checkpointer!r} is not a checkpointer; "
+        f"expected one of {', '.join(CHECKPOINTERS)}")
+
+  steps = config.training_steps
+  if steps is not None and (not isinstance(steps, int) or steps < 0):
+    raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
+
+  if config.max_checkpoints_to_keep < 1:
+    raise ConfigError(
+        f"config.max_checkpoints_to_keep={config.max_checkpoints_to_keep!r} must be >= 1")
+
+  ratios = config.periodic_action_growth_ratios
+  if ratios is not None and (not ratios or any(not 1 <= r < 10 for r in ratios)):
+    raise ConfigError(
+        f"config.periodic_action_growth_ratios={ratios!r} must be None or a "
+        "non-empty sequence of numbers in [1, 10)")

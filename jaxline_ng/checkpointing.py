@@ -1,0 +1,189 @@
+"""The Checkpointer protocol, the training state it saves, and in-memory series.
+
+A checkpointer keeps named series (`latest`, `best`) of snapshots of an
+`ExperimentState`. The loops mutate the state a checkpointer hands out with
+`get_experiment_state(series)` and call `save`/`restore` on the series name;
+the checkpointer decides where snapshots live.
+
+`InMemoryCheckpointer` keeps jaxline's layout in `GLOBAL_CHECKPOINT_DICT`:
+`{series: CheckpointNT(active=threading.local(), history=[SnapshotNT(id,
+pickle_nest), ...])}`. Each thread has its own active state (so the train and
+eval threads of `train_eval_multithreaded` do not share one), while the
+history is shared. Published experiments and tests read and build these
+entries directly, in the jaxline 0.0.8 layout (`pickle_nest['experiment_module']`
+is the experiment's `snapshot_state()` dict) and the earlier one (it is the
+experiment object itself); both restore.
+"""
+
+import collections
+import os
+import sys
+import threading
+from typing import Any, Optional, Protocol
+
+import jax
+import numpy as np
+from absl import logging
+
+from jaxline_ng import devices
+
+SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
+CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
+
+GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
+
+# Not part of a snapshot: the experiment is snapshotted through its own
+# `snapshot_state`, and the config is the running process's, not the saved one's.
+_NOT_SNAPSHOTTED = ("experiment_module", "config")
+
+
+class ExperimentState:
+  """What a checkpoint series holds for a run.
+
+  Attributes set by the loops: `global_step` (int, steps completed),
+  `train_step_rng` (per-device chain key), `experiment_module` (the
+  experiment), `config`; on the `best` series also `best_eval_metric_value`.
+  Supports `name in state` like jaxline's ConfigDict state did.
+  """
+
+  def __init__(self):
+    self.global_step = 0
+    self.train_step_rng = None
+    self.experiment_module = None
+    self.config = None
+
+  def __contains__(self, name: str) -> bool:
+    return name in vars(self)
+
+  def snapshotted_items(self) -> dict[str, Any]:
+    return {k: v for k, v in vars(self).items() if k not in _NOT_SNAPSHOTTED}
+
+
+class Checkpointer(Protocol):
+  """How the loops save and restore `ExperimentState`s by series name."""
+
+  def get_experiment_state(self, ckpt_series: str) -> ExperimentState:
+    """The live state of `ckpt_series` (for the calling thread)."""
+
+  def save(self, ckpt_series: str) -> None:
+    """Snapshots the live state of `ckpt_series` as its newest checkpoint."""
+
+  def can_be_restored(self, ckpt_series: str) -> bool:
+    """Whether `ckpt_series` has a checkpoint."""
+
+  def restore(self, ckpt_series: str) -> None:
+    """Loads the newest checkpoint of `ckpt_series` into its live state."""
+
+  def restore_path(self, ckpt_series: str) -> Optional[Any]:
+    """An id of the newest checkpoint (changes when a new one is saved), or None."""
+
+  def wait_for_checkpointing_to_finish(self) -> None:
+    """Blocks until every save started so far is complete."""
+
+
+def global_checkpoint_dict() -> dict[str, CheckpointNT]:
+  """The dict in-memory series live in.
+
+  Published tests rebind `utils.GLOBAL_CHECKPOINT_DICT` to a dict of their
+  own; the rebinding is honoured by looking the name up at call time.
+  """
+  utils = sys.modules.get("jaxline_ng.utils")
+  return utils.GLOBAL_CHECKPOINT_DICT if utils is not None else GLOBAL_CHECKPOINT_DICT
+
+
+def host_snapshot(state: ExperimentState) -> dict[str, Any]:
+  """A host-memory copy of `state`, in jaxline 0.0.8's snapshot layout.
+
+  Values are copied off the devices now, so buffer donation and the steps the
+  loop has already dispatched cannot change a saved snapshot.
+  """
+  nest = state.snapshotted_items()
+  if state.experiment_module is not None:
+    nest["experiment_module"] = state.experiment_module.snapshot_state()
+  return jax.device_get(nest)
+
+
+def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
+  """Loads a snapshot (either jaxline layout) into `state`."""
+  # Deferred: experiment imports this module's users, not the other way round.
+  from jaxline_ng import experiment as experiment_lib
+
+  for name, value in nest.items():
+    if name == "experiment_module":
+      module = state.experiment_module
+      if module is None:
+        continue
+      if isinstance(value, experiment_lib.AbstractExperiment):
+        # Pre-0.0.8 layout: the snapshot is the experiment object itself.
+        attrs, non_broadcast_attrs = experiment_lib.checkpoint_attrs(value)
+        for attr in (*attrs, *non_broadcast_attrs):
+          setattr(module, attr, getattr(value, attr))
+      else:
+        module.restore_from_snapshot(value)
+    elif name == "global_step":
+      state.global_step = int(np.ravel(jax.device_get(value))[0])
+    elif name == "train_step_rng":
+      if value is not None:
+        state.train_step_rng = devices.put_per_device(np.asarray(jax.device_get(value)))
+    else:
+      setattr(state, name, value)
+
+
+class InMemoryCheckpointer:
+  """Keeps up to `max_checkpoints_to_keep` host-memory snapshots per series."""
+
+  def __init__(self, config, mode: str):
+    del mode  # Series are shared by every mode in the process.
+    self._max_checkpoints_to_keep = config.max_checkpoints_to_keep
+    self._lock = threading.Lock()
+
+  def _series(self, ckpt_series: str) -> CheckpointNT:
+    checkpoints = global_checkpoint_dict()
+    with self._lock:
+      if ckpt_series not in checkpoints:
+        checkpoints[ckpt_series] = CheckpointNT(threading.local(), [])
+      return checkpoints[ckpt_series]
+
+  def get_experiment_state(self, ckpt_series: str) -> ExperimentState:
+    active = self._series(ckpt_series).active
+    if not hasattr(active, "state"):
+      active.state = ExperimentState()
+    return active.state
+
+  def save(self, ckpt_series: str) -> None:
+    series = self._series(ckpt_series)
+    nest = host_snapshot(self.get_experiment_state(ckpt_series))
+    with self._lock:
+      next_id = series.history[-1].id + 1 if series.history else 0
+      series.history.append(SnapshotNT(next_id, nest))
+      del series.history[:-self._max_checkpoints_to_keep]
+    logging.info("[jaxline_ng] Saved in-memory checkpoint %s/%d at step %d.",
+                 ckpt_series, next_id, nest.get("global_step", -1))
+
+  def can_be_restored(self, ckpt_series: str) -> bool:
+    series = global_checkpoint_dict().get(ckpt_series)
+    return bool(series and series.history)
+
+  def restore(self, ckpt_series: str) -> None:
+    snapshot = self._series(ckpt_series).history[-1]
+    restore_snapshot(self.get_experiment_state(ckpt_series), snapshot.pickle_nest)
+    logging.info("[jaxline_ng] Restored in-memory checkpoint %s/%d.", ckpt_series, snapshot.id)
+
+  def restore_path(self, ckpt_series: str) -> Optional[int]:
+    if not self.can_be_restored(ckpt_series):
+      return None
+    return global_checkpoint_dict()[ckpt_series].history[-1].id
+
+  def wait_for_checkpointing_to_finish(self) -> None:
+    """Saves complete before `save` returns."""
+
+
+def get_checkpoint_dir(config, host_id: int) -> str:
+  """A directory for `host_id`'s own files under `config.checkpoint_dir`, created.
+
+  Not in public jaxline, but published experiments call it to place files
+  they write themselves (e.g. an exported best model).
+  """
+  path = os.path.join(config.checkpoint_dir, f"host_{host_id}")
+  os.makedirs(path, exist_ok=True)
+  return path

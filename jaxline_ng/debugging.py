@@ -1,0 +1,71 @@
+"""Debugging switches: running pmap/jit eagerly, and post-mortem on failure.
+
+Under `--jaxline_disable_pmap_jit` (alias `--disable_pmap_jit`) the loops run
+inside `jax.disable_jit()`. Since JAX 0.8 pmap is jit + shard_map, and under
+`disable_jit` it runs eagerly: a breakpoint inside a pmapped step, including
+pmaps built at import time or in the experiment's `__init__`, shows every
+device's concrete values (printing an array inside the pmap lists them per
+device). jaxline patched `jax.pmap` with chex's vmap fake instead, which only
+reached functions created inside its context and showed batch tracers.
+Functions compiled ahead of time (`jax.jit(f).lower(...).compile()`) cannot
+be made eager; the log says so when the switch is on.
+"""
+
+import contextlib
+import functools
+import pdb
+import sys
+
+import jax
+from absl import flags, logging
+
+_DISABLE_PMAP_JIT = flags.DEFINE_bool(
+    "jaxline_disable_pmap_jit", False,
+    "Run pmap and jit eagerly so breakpoints inside steps see concrete values.")
+flags.DEFINE_alias("disable_pmap_jit", "jaxline_disable_pmap_jit")
+_POST_MORTEM = flags.DEFINE_bool(
+    "jaxline_post_mortem", False,
+    "Enter pdb's post-mortem debugger when the run raises an exception.")
+
+
+def pmap_jit_disabled() -> bool:
+  return flags.FLAGS.is_parsed() and _DISABLE_PMAP_JIT.value
+
+
+@contextlib.contextmanager
+def eager_if_requested():
+  """Runs the body under `jax.disable_jit()` when the flag asks for it."""
+  if not pmap_jit_disabled():
+    yield
+    return
+  logging.warning(
+      "[jaxline_ng] --jaxline_disable_pmap_jit: pmap and jit run eagerly (slow). "
+      "Functions compiled ahead of time with .lower().compile() still run compiled.")
+  with jax.disable_jit():
+    yield
+
+
+def disable_pmap_jit(fn):
+  """Decorator: runs `fn` eagerly when `--jaxline_disable_pmap_jit` is set."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with eager_if_requested():
+      return fn(*args, **kwargs)
+
+  return wrapped
+
+
+def debugger_fallback(fn):
+  """Decorator: on an exception, opens pdb post-mortem if `--jaxline_post_mortem`."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except Exception:
+      if flags.FLAGS.is_parsed() and _POST_MORTEM.value:
+        pdb.post_mortem(sys.exc_info()[2])
+      raise
+
+  return wrapped

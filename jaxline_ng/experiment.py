@@ -1,0 +1,186 @@
+"""AbstractExperiment: the class users subclass (and fork) to define a run.
+
+The meaning is jaxline's: the platform constructs the experiment as
+`cls(mode, init_rng=..., **config.experiment_kwargs)`, calls `step` once per
+training step and `evaluate` once per checkpoint, both with the keyword
+arguments `global_step`, `rng` and `writer`. `global_step` and `rng` carry a
+leading axis of size `jax.local_device_count()`, ready to pass to a pmap.
+
+State listed in `CHECKPOINT_ATTRS` (`{attribute: checkpoint name}`) is
+pmap-replicated: one copy is checkpointed and it is restored replicated.
+`NON_BROADCAST_CHECKPOINT_ATTRS` are stored and restored whole.
+"""
+
+import abc
+import functools
+import inspect
+import time
+from typing import Any, Mapping, Optional
+
+import jax
+from absl import logging
+
+from jaxline_ng import devices
+from jaxline_ng import rng as rng_lib
+
+Scalars = Mapping[str, Any]
+
+
+class AbstractExperiment(abc.ABC):
+  """The interface between user code and the jaxline_ng loops."""
+
+  CHECKPOINT_ATTRS: Mapping[str, str] = {}
+  NON_BROADCAST_CHECKPOINT_ATTRS: Mapping[str, str] = {}
+
+  def __init__(self, mode: str, init_rng: Optional[jax.Array] = None):
+    """`init_rng` may be omitted by subclasses that call `super().__init__(mode=mode)`."""
+    self.mode = mode
+    self.init_rng = init_rng
+
+  @abc.abstractmethod
+  def step(self, *, global_step: jax.Array, rng: jax.Array, writer) -> Scalars:
+    """Performs one training step and returns scalars to log.
+
+    Declare only the keyword arguments you use, or take `**unused_kwargs`.
+    """
+
+  @abc.abstractmethod
+  def evaluate(self, *, global_step: jax.Array, rng: jax.Array, writer) -> Optional[Scalars]:
+    """Evaluates the current (restored) state and returns scalars."""
+
+  def should_run_step(self, global_step: int, config) -> bool:
+    """Whether the loop runs the step that has seen `global_step` steps before it.
+
+    Override for epoch- or update-count termination (`training_steps=None`).
+    The evaluation loop asks it too, to learn when training has ended.
+    """
+    return global_step < config.training_steps
+
+  def initialize_train_step_rng(self, random_seed: int, state) -> jax.Array:
+    """The per-device chain key the training loop starts from.
+
+    Specialised per host/device by `config.random_mode_train`; differs from the
+    `init_rng` key unless `config.legacy_random_seed_behavior`.
+    """
+    key = rng_lib.train_chain_key(random_seed, state.config.legacy_random_seed_behavior)
+    return rng_lib.per_device_keys(key, state.config.random_mode_train)
+
+  def train_loop(self, config, state, periodic_actions, writer=None) -> None:
+    """Runs training steps until `should_run_step` says stop.
+
+    `state` is the checkpointed training state: `state.global_step` (host int,
+    steps completed) and `state.train_step_rng` (per-device chain key) are
+    advanced here, so a checkpoint taken by a periodic action always matches
+    the step it was taken at.
+    """
+    step_inputs = rng_lib.StepInputs(state.global_step, state.train_step_rng)
+    step = keyword_filtered(self.step)
+    with log_activity("training loop"):
+      while self.should_run_step(state.global_step, config):
+        global_step_devices, step_rng, next_chain = step_inputs.next()
+        with jax.profiler.StepTraceAnnotation("train", step_num=state.global_step):
+          scalars = step(global_step=global_step_devices, rng=step_rng, writer=writer)
+        state.global_step += 1
+        state.train_step_rng = next_chain
+        now = time.time()
+        for action in periodic_actions:
+          action(now, state.global_step, scalars)
+
+  def snapshot_state(self) -> Mapping[str, Any]:
+    """One copy of every checkpointed attribute, keyed by checkpoint name."""
+    attrs, non_broadcast_attrs = checkpoint_attrs(self)
+    if not attrs and not non_broadcast_attrs:
+      logging.warning(
+          "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
+          "checkpoints will hold no experiment state.", type(self).__name__)
+    snapshot = {name: devices.get_first(getattr(self, attr)) for attr, name in attrs.items()}
+    for attr, name in non_broadcast_attrs.items():
+      snapshot[name] = getattr(self, attr)
+    return snapshot
+
+  def restore_from_snapshot(self, snapshot_state: Mapping[str, Any]) -> None:
+    """Sets checkpointed attributes from a snapshot, replicating CHECKPOINT_ATTRS."""
+    attrs, non_broadcast_attrs = checkpoint_attrs(self)
+    for attr, name in attrs.items():
+      setattr(self, attr, devices.bcast_local_devices(snapshot_state[name]))
+    for attr, name in non_broadcast_attrs.items():
+      setattr(self, attr, snapshot_state[name])
+
+  def on_new_best_model(self, best_state) -> None:
+    """Called after evaluation finds a new best metric, before `best` is saved.
+
+    `best_state.global_step` and `best_state.best_eval_metric_value` describe it.
+    """
+
+
+def checkpoint_attrs(experiment) -> tuple[Mapping[str, str], Mapping[str, str]]:
+  """The experiment's (CHECKPOINT_ATTRS, NON_BROADCAST_CHECKPOINT_ATTRS).
+
+  Either may be a class attribute or an instance property, and None means {}.
+  """
+  return (getattr(experiment, "CHECKPOINT_ATTRS", None) or {},
+          getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})
+
+
+def keyword_filtered(method):
+  """Wraps `method` to receive only the keyword arguments it declares.
+
+  Users write `step(self, global_step, rng, writer)`, keyword-only variants, or
+  only the arguments they use with `**unused`; all are called with keywords.
+  The signature is inspected once, not per call.
+  """
+  parameters = inspect.signature(method).parameters.values()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    return method
+  accepted = frozenset(
+      p.name for p in parameters
+      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+  @functools.wraps(method)
+  def call(**kwargs):
+    return method(**{k: v for k, v in kwargs.items() if k in accepted})
+
+  return call
+
+
+def kwargs_only(fn):
+  """Decorator: `fn` may only be called with keyword arguments (jaxline's helper)."""
+
+  @functools.wraps(fn)
+  def call(**kwargs):
+    return fn(**kwargs)
+
+  return call
+
+
+def evaluate_should_return_dict(evaluate_fn):
+  """Decorator: an `evaluate` returning None yields {} and logs a warning."""
+
+  @functools.wraps(evaluate_fn)
+  def call(*args, **kwargs):
+    scalars = evaluate_fn(*args, **kwargs)
+    if scalars is None:
+      logging.warning("[jaxline_ng] evaluate() returned None; return a dict of scalars.")
+      return {}
+    return scalars
+
+  return call
+
+
+class log_activity:  # pylint: disable=invalid-name  (jaxline's name, used as a context manager)
+  """Logs the start, end and duration of an activity, and a failure if it raises."""
+
+  def __init__(self, activity_name: str):
+    self._name = activity_name
+
+  def __enter__(self):
+    logging.info("[jaxline_ng] %s starting...", self._name)
+    self._start = time.perf_counter()
+
+  def __exit__(self, exc_type, exc, tb):
+    elapsed = time.perf_counter() - self._start
+    if exc_type is None:
+      logging.info("[jaxline_ng] %s finished (%.2fs).", self._name, elapsed)
+    else:
+      logging.error("[jaxline_ng] %s failed after %.2fs: %s", self._name, elapsed, exc)
+    return False

@@ -1,0 +1,155 @@
+"""Periodic actions (logging, checkpointing) run between training steps.
+
+An action is called after every step with `(t, step, scalars)` and decides
+cheaply whether it is due: every `interval` seconds or steps, and optionally
+also at the early steps of a growth schedule (ratios (1, 2, 5) act at steps
+1, 2, 5, 10, 20, 50, 100, ...). Due work runs on the action's own background
+thread unless `run_async=False`, so a slow action does not stall the loop.
+"""
+
+import collections
+import concurrent.futures
+import functools
+import math
+from typing import Any, Callable, Optional, Sequence
+
+
+def make_async(thread_name_prefix: str = ""):
+  """Decorator: calls run on one background thread, in call order.
+
+  Each call returns a `concurrent.futures.Future`. An exception raised by an
+  earlier call is raised again by the next call (and by `.wait()`), so
+  failures surface on the caller's thread instead of vanishing.
+  """
+
+  def decorator(fn):
+    executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=thread_name_prefix or fn.__name__)
+    unchecked: collections.deque[concurrent.futures.Future] = collections.deque()
+
+    def raise_failures(block: bool) -> None:
+      while unchecked and (block or unchecked[0].done()):
+        unchecked.popleft().result()
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      raise_failures(block=False)
+      future = executor.submit(fn, *args, **kwargs)
+      unchecked.append(future)
+      return future
+
+    call.wait = functools.partial(raise_failures, block=True)
+    return call
+
+  return decorator
+
+
+def _growth_steps(ratios: Sequence[float]):
+  """Yields 1, 2, 5, 10, 20, 50, ... for ratios (1, 2, 5), increasing forever."""
+  for exponent in range(64):
+    for ratio in sorted(ratios):
+      yield math.ceil(ratio * 10**exponent)
+
+
+class PeriodicAction:
+  """Calls `fn(t, step, scalars)` every `interval` seconds or steps.
+
+  Args:
+    fn: the action; with `run_async` it runs on a background thread.
+    interval_type: "secs" or "steps".
+    interval: the period; None never triggers by interval.
+    start_time, start_step: when the action last ran (restored runs pass the
+      checkpointed values so intervals continue rather than restart).
+    run_async: run `fn` on a background thread, one call at a time, in order.
+    log_all_data: keep every step's scalars and pass each one (in step order)
+      to `fn` when the action next runs, instead of only the latest.
+    logging_growth_ratios: also run at the steps of this growth schedule.
+    run_on_final_step: `finish()` runs the action for the last step it saw
+      if that step was not acted on (logging wants this; checkpointing, which
+      saves at the end anyway, does not).
+  """
+
+  def __init__(self,
+               fn: Callable[[float, int, Any], None],
+               interval_type: str,
+               interval: Optional[float],
+               start_time: float = 0.0,
+               start_step: int = 0,
+               run_async: bool = True,
+               log_all_data: bool = False,
+               logging_growth_ratios: Optional[Sequence[float]] = None,
+               run_on_final_step: bool = True):
+    if interval_type not in ("secs", "steps"):
+      raise ValueError(f"interval_type={interval_type!r} must be 'secs' or 'steps'")
+    self._fn = fn
+    self._by_steps = interval_type == "steps"
+    self._interval = interval
+    self._prev_time = start_time
+    self._prev_step = start_step
+    self._log_all_data = log_all_data
+    self._pending: list[tuple[int, Any]] = []
+    self._run_on_final_step = run_on_final_step
+    self._last_call: Optional[tuple[float, int, Any]] = None
+    self._last_acted_step: Optional[int] = None
+    self._growth = iter(_growth_steps(logging_growth_ratios)) if logging_growth_ratios else None
+    self._next_growth_step = self._advance_growth(start_step)
+    self._run = make_async(f"periodic_{getattr(fn, '__name__', 'action')}")(self._run_batch) \
+        if run_async else self._run_batch
+
+  def _advance_growth(self, step: int) -> Optional[int]:
+    if self._growth is None:
+      return None
+    for growth_step in self._growth:
+      if growth_step > step:
+        return growth_step
+    return None
+
+  def _is_due(self, t: float, step: int) -> bool:
+    if self._next_growth_step is not None and step >= self._next_growth_step:
+      self._next_growth_step = self._advance_growth(step)
+      return True
+    if self._interval is None:
+      return False
+    if self._by_steps:
+      return step - self._prev_step >= self._interval
+    return t - self._prev_time >= self._interval
+
+  def __call__(self, t: float, step: int, scalars: Any) -> None:
+    self._last_call = (t, step, scalars)
+    if self._log_all_data:
+      self._pending.append((step, scalars))
+    if self._is_due(t, step):
+      self._act(t, step, scalars)
+
+  def _act(self, t: float, step: int, scalars: Any) -> None:
+    batch = self._pending if self._log_all_data else [(step, scalars)]
+    self._pending = []
+    self._prev_time, self._prev_step, self._last_acted_step = t, step, step
+    self._run(t, batch)
+
+  def _run_batch(self, t: float, batch: list[tuple[int, Any]]) -> None:
+    for step, scalars in batch:
+      self._fn(t, step, scalars)
+
+  def update_time(self, t: float, step: int) -> None:
+    """Restarts the interval from `(t, step)`, e.g. after a restore."""
+    self._prev_time, self._prev_step = t, step
+    self._next_growth_step = self._advance_growth(step)
+
+  @property
+  def last_acted(self) -> tuple[float, int]:
+    """`(time, step)` the action last ran at: what a resumed run continues from."""
+    return self._prev_time, self._prev_step
+
+  def finish(self) -> None:
+    """Acts on the last step seen if due (see `run_on_final_step`), then waits."""
+    if (self._run_on_final_step and self._last_call is not None
+        and self._last_call[1] != self._last_acted_step):
+      self._act(*self._last_call)
+    self.wait_to_finish()
+
+  def wait_to_finish(self) -> None:
+    """Blocks until queued runs are done; raises the first error they hit."""
+    wait = getattr(self._run, "wait", None)
+    if wait is not None:
+      wait()

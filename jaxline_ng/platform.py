@@ -1,0 +1,135 @@
+"""The command-line entry point: flags, config, mode dispatch.
+
+    def main(argv):
+      ...
+    if __name__ == "__main__":
+      flags.mark_flag_as_required("config")
+      app.run(functools.partial(platform.main, Experiment))
+
+Flags: `--config=file.py[:arg]` with `--config.key=value` overrides,
+`--jaxline_mode=train|eval|eval_<name>|train_eval_multithreaded`,
+`--jaxline_disable_pmap_jit` (alias `--disable_pmap_jit`), `--jaxline_post_mortem`.
+"""
+
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxline_ng import base_config
+from jaxline_ng import checkpointing
+from jaxline_ng import debugging
+from jaxline_ng import multihost
+from jaxline_ng import train
+
+FLAGS = flags.FLAGS
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", help_string="Experiment config file (`path.py` or `path.py:arg`).")
+_MODE = flags.DEFINE_string(
+    "jaxline_mode", "train",
+    "train, eval, eval_<name> or train_eval_multithreaded.")
+
+TRAIN_EVAL_MULTITHREADED = "train_eval_multithreaded"
+
+
+def check_mode(mode: str) -> None:
+  """Raises ConfigError unless `mode` is one the platform runs."""
+  if mode in ("train", "eval", TRAIN_EVAL_MULTITHREADED) or mode.startswith("eval_"):
+    return
+  raise base_config.ConfigError(
+      f"--jaxline_mode={mode!r} is not a mode; expected train, eval, eval_<name> "
+      f"or {TRAIN_EVAL_MULTITHREADED}")
+
+
+def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:
+  """The checkpointer `config.checkpointer` names."""
+  return checkpointing.InMemoryCheckpointer(config, mode)
+
+
+def create_writer(config, mode: str):
+  """A TensorBoard + JSONL writer for `<checkpoint_dir>/<mode>`, or None.
+
+  Only the chief process writes unless `config.log_all_hosts`. Writes go
+  through a background thread when `config.log_async`.
+  """
+  if not (multihost.is_chief() or config.log_all_hosts):
+    return None
+  from jaxline_ng import writers  # Deferred: keeps `import platform` light.
+  return writers.make_writer(os.path.join(config.checkpoint_dir, mode),
+                             use_async=config.log_async)
+
+
+def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
+  """Parses flags when `main` is called without `app.run`.
+
+  Published code calls `platform.main(Experiment, sys.argv[1:])` directly;
+  that argv has no program name.
+  """
+  if FLAGS.is_parsed():
+    return argv
+  try:
+    return FLAGS([sys.argv[0], *argv])
+  except flags.Error as e:
+    raise SystemExit(f"jaxline_ng: error: {e}") from None
+
+
+def _close(writer) -> None:
+  if writer is not None:
+    writer.close()
+
+
+def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
+  checkpointer = checkpointer_factory(config, mode)
+  if mode == "train":
+    writer = create_writer(config, "train")
+    try:
+      train.train(experiment_class, config, checkpointer, writer)
+    finally:
+      _close(writer)
+  elif mode == TRAIN_EVAL_MULTITHREADED:
+    writer, eval_writer = create_writer(config, "train"), create_writer(config, "eval")
+    try:
+      train.train_eval_multithreaded(
+          experiment_class, config, checkpointer, writer, eval_writer=eval_writer)
+    finally:
+      _close(writer)
+      _close(eval_writer)
+  else:
+    if (isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
+        and not checkpointer.can_be_restored("latest") and not config.eval_initial_weights):
+      raise base_config.ConfigError(
+          f"--jaxline_mode={mode} would wait forever: in-memory checkpoints "
+          "(config.checkpointer='memory') live in the training process. Use "
+          f"--jaxline_mode={TRAIN_EVAL_MULTITHREADED}, or "
+          "--config.eval_initial_weights to evaluate initial weights")
+    writer = create_writer(config, mode)
+    try:
+      train.evaluate(experiment_class, config, checkpointer, writer, jaxline_mode=mode)
+    finally:
+      _close(writer)
+
+
+def main(experiment_class, argv: Sequence[str],
+         checkpointer_factory: Callable = create_checkpointer) -> None:
+  """Runs `experiment_class` in the mode `--jaxline_mode` names.
+
+  Bad input (config, mode) exits with a one-line error naming the culprit.
+  """
+  argv = _parse_flags_if_needed(argv)
+  if len(argv) > 1:
+    raise app.UsageError(f"Too many command-line arguments: {list(argv[1:])}")
+  config = _CONFIG.value
+  if config is None:
+    raise SystemExit("jaxline_ng: error: --config is required (a config file: path.py[:arg])")
+  mode = _MODE.value
+  try:
+    base_config.validate_config(config)
+    check_mode(mode)
+    logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
+    with debugging.eager_if_requested():
+      debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
+  except base_config.ConfigError as e:
+    raise SystemExit(f"jaxline_ng: error: {e}") from None

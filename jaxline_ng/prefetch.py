@@ -1,0 +1,76 @@
+"""Feeding batches to the devices ahead of the step that needs them."""
+
+import queue
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+
+from jaxline_ng import devices
+
+_END = object()
+
+
+def py_prefetch(iterable_function: Callable[[], Iterable[Any]],
+                buffer_size: int = 5) -> Iterator[Any]:
+  """Iterates `iterable_function()` on a background thread, `buffer_size` ahead.
+
+  Python-side input work (decoding, augmentation in numpy) then overlaps with
+  the training step. An exception raised by the producer is raised again by
+  the consumer's `next()`, with its original traceback.
+  """
+  if buffer_size < 1:
+    raise ValueError(f"py_prefetch: buffer_size={buffer_size} must be >= 1")
+  buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
+  stop = threading.Event()
+
+  def produce():
+    try:
+      for item in iterable_function():
+        while not stop.is_set():
+          try:
+            buffer.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        if stop.is_set():
+          return
+      buffer.put(_END)
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised by the consumer)
+      buffer.put(e)
+
+  threading.Thread(target=produce, name="py_prefetch", daemon=True).start()
+  try:
+    while True:
+      item = buffer.get()
+      if item is _END:
+        return
+      if isinstance(item, BaseException):
+        raise item
+      yield item
+  finally:
+    stop.set()
+
+
+def double_buffer(ds: Iterable[Any]) -> Iterator[Any]:
+  """Puts each batch on the devices one step early, split along axis 0.
+
+  Batches have a leading axis of size `jax.local_device_count()`; the copy of
+  batch n+1 overlaps with the step that consumes batch n.
+  """
+  batches = iter(ds)
+  try:
+    next_on_device = devices.put_per_device(next(batches))
+  except StopIteration:
+    return
+  for batch in batches:
+    on_device, next_on_device = next_on_device, devices.put_per_device(batch)
+    yield on_device
+  yield next_on_device
+
+
+def double_buffer_on_gpu(ds: Iterable[Any]) -> Iterator[Any]:
+  """`double_buffer` on GPU, where transfers are worth overlapping; `ds` elsewhere."""
+  if jax.default_backend() == "gpu":
+    return double_buffer(ds)
+  return iter(ds)

@@ -1,0 +1,148 @@
+"""Random keys for training and evaluation, specialised per host and device.
+
+A random mode is `<host>_host_<device>_device` with each part `unique` or
+`same`: `unique_host_unique_device` gives every device of every process its
+own key, `same_host_same_device` gives all of them the same key. Keys are raw
+`uint32[2]` keys (what `jax.random.PRNGKey` returns), stacked per device.
+
+The training keys form a chain: each step `c -> split(c) = (c', k)` hands the
+step the child `k` and keeps `c'` for the next step. Whatever the experiment
+derives from `k` never reappears as a later step's key, and resuming from a
+checkpointed chain key continues the exact sequence.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxline_ng import devices
+
+RANDOM_MODES = (
+    "unique_host_unique_device",
+    "unique_host_same_device",
+    "same_host_unique_device",
+    "same_host_same_device",
+)
+
+# Folded into the seed so the training chain differs from the key that
+# initialises the experiment (`init_rng`), unless legacy behaviour is asked for.
+_TRAIN_STREAM = 1
+
+# Steps whose global step and key are computed by one device dispatch; the
+# loop then hands out ready arrays, so the per-step cost of advancing is a
+# fraction of one dispatch.
+STEPS_PER_DISPATCH = 16
+
+
+def check_random_mode(mode: str, config_key: str) -> None:
+  """Raises ValueError naming `config_key` if `mode` is not a random mode."""
+  if mode not in RANDOM_MODES:
+    raise ValueError(
+        f"config.{config_key}={mode!r} is not a random mode; expected one of "
+        f"{', '.join(RANDOM_MODES)}")
+
+
+def host_id_devices_for_rng(mode: str = "unique_host_unique_device"):
+  """The per-device host ids to fold into keys, or None when hosts share keys."""
+  if not mode.startswith("unique_host_"):
+    return None
+  return np.full((jax.local_device_count(),), jax.process_index(), np.int32)
+
+
+def specialize_rng_host_device(rng, host_id, axis_name: str, mode: str):
+  """Folds the host id and/or device index into `rng` as `mode` says.
+
+  Call inside a pmap over `axis_name` (jaxline's contract); `host_id` is this
+  device's entry of `host_id_devices_for_rng(mode)`, or None.
+  """
+  check_random_mode(mode, "random_mode")
+  host_part, _, device_part, _ = mode.split("_")
+  if host_part == "unique":
+    if host_id is None:
+      raise ValueError(f"random mode {mode!r} needs a host id")
+    rng = jax.random.fold_in(rng, host_id)
+  if device_part == "unique":
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+  return rng
+
+
+@functools.partial(jax.jit, static_argnames=("mode",))
+def _specialize_per_device(keys, host_ids, mode):
+  """`keys` is [devices, 2]; folds in host id and device position as `mode` says."""
+  host_part, _, device_part, _ = mode.split("_")
+  positions = jnp.arange(keys.shape[0])
+
+  def one_device(key, host_id, position):
+    if host_part == "unique":
+      key = jax.random.fold_in(key, host_id)
+    if device_part == "unique":
+      key = jax.random.fold_in(key, position)
+    return key
+
+  return jax.vmap(one_device)(keys, host_ids, positions)
+
+
+def per_device_keys(key, mode: str):
+  """Stacks `key` per local device and specialises it per host/device by `mode`.
+
+  Returns a `uint32[local_devices, 2]` array placed one row per device.
+  """
+  check_random_mode(mode, "random_mode")
+  num_devices = jax.local_device_count()
+  stacked = np.broadcast_to(np.asarray(jax.device_get(key)), (num_devices, 2))
+  host_ids = np.full((num_devices,), jax.process_index(), np.int32)
+  return devices.put_per_device(_specialize_per_device(stacked, host_ids, mode=mode))
+
+
+def seed_key(random_seed: int):
+  """The raw key experiments are initialised with (`init_rng`)."""
+  return jax.random.PRNGKey(random_seed)
+
+
+def train_chain_key(random_seed: int, legacy_random_seed_behavior: bool):
+  """The first key of the training chain, before per-device specialisation."""
+  key = seed_key(random_seed)
+  if legacy_random_seed_behavior:
+    return key
+  return jax.random.fold_in(key, _TRAIN_STREAM)
+
+
+@functools.partial(jax.jit, static_argnames=("num_steps",))
+def _advance_steps(global_step, chain, num_steps):
+  """The global steps, step keys and next chain keys of `num_steps` steps."""
+  split = jax.vmap(jax.random.split)
+  steps, step_keys, chains = [], [], []
+  for _ in range(num_steps):
+    children = split(chain)
+    chain, step_key = children[:, 0], children[:, 1]
+    steps.append(global_step)
+    step_keys.append(step_key)
+    chains.append(chain)
+    global_step = global_step + 1
+  return steps, step_keys, chains, global_step
+
+
+class StepInputs:
+  """Hands each training step its per-device `global_step` and `rng`.
+
+  Computes `STEPS_PER_DISPATCH` steps' worth of inputs per device dispatch, so
+  the loop does not pay a dispatch per step for bookkeeping.
+  """
+
+  def __init__(self, global_step: int, chain):
+    self._global_step_devices = devices.put_per_device(
+        np.full((jax.local_device_count(),), global_step, np.int32))
+    self._chain = chain
+    self._ready = []
+
+  def next(self):
+    """Returns `(global_step_devices, step_rng, next_chain)` for the next step."""
+    if not self._ready:
+      steps, step_keys, chains, self._global_step_devices = _advance_steps(
+          self._global_step_devices, self._chain, num_steps=STEPS_PER_DISPATCH)
+      self._ready = list(zip(steps, step_keys, chains))
+      self._ready.reverse()
+      self._chain = chains[-1]
+    return self._ready.pop()

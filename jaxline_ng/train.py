@@ -1,0 +1,310 @@
+"""The training and evaluation loops.
+
+`train` sets up state and periodic actions around the experiment's
+`train_loop`; `evaluate` follows a checkpoint series and evaluates each new
+checkpoint once; `train_eval_multithreaded` runs both in one process.
+"""
+
+import math
+import threading
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from jaxline_ng import base_config
+from jaxline_ng import devices
+from jaxline_ng import experiment as experiment_lib
+from jaxline_ng import multihost
+from jaxline_ng import periodic
+from jaxline_ng import rng
+
+# How often a separate eval job looks for a new checkpoint (jaxline's value).
+EVAL_POLL_SECS = 10.0
+# In train_eval_multithreaded the evaluator shares the process with training
+# and looks more often: checking for a new in-memory checkpoint is free.
+MULTITHREADED_EVAL_POLL_SECS = 0.2
+
+
+def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
+  """Copies step/evaluate outputs to host numbers for logging.
+
+  A value may be a scalar or one copy per local device (a pmap output the
+  experiment did not reduce with `get_first`); the first device's copy is
+  taken then. Anything else is an error naming the scalar.
+  """
+  values = jax.device_get(dict(scalars))
+  result = {}
+  for name, value in values.items():
+    array = np.asarray(value)
+    if array.ndim == 1 and array.shape[0] in (1, jax.local_device_count()):
+      array = array[0]
+    if array.ndim != 0:
+      raise ValueError(
+          f"scalar {name!r} has shape {np.shape(value)}: return scalars, or one "
+          "value per local device")
+    result[name] = array.item()
+  return result
+
+
+def _interval_type(config, specific_key: str) -> str:
+  return config[specific_key] or config.interval_type
+
+
+def _format_duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  minutes, secs = divmod(int(seconds), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class _Telemetry:
+  """Steps/sec between calls, and the progress line logged at intervals."""
+
+  def __init__(self, training_steps: Optional[int], start_time: float, start_step: int):
+    self._training_steps = training_steps
+    self._prev_time, self._prev_step = start_time, start_step
+
+  def steps_per_sec(self, t: float, step: int) -> Optional[float]:
+    elapsed, steps = t - self._prev_time, step - self._prev_step
+    if elapsed <= 0 or steps <= 0:
+      return None
+    self._prev_time, self._prev_step = t, step
+    return steps / elapsed
+
+  def progress_line(self, step: int, steps_per_sec: Optional[float],
+                    scalars: Mapping[str, Any]) -> str:
+    parts = [f"step {step}"]
+    if self._training_steps:
+      parts[0] += f"/{self._training_steps} ({100.0 * step / self._training_steps:.1f}%)"
+    if steps_per_sec:
+      parts.append(f"{steps_per_sec:.1f} steps/s")
+      if self._training_steps:
+        parts.append(f"ETA {_format_duration((self._training_steps - step) / steps_per_sec)}")
+    compact = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in sorted(scalars.items()))
+    return "[jaxline_ng] " + ", ".join(parts) + (f" | {compact}" if compact else "")
+
+
+def _default_periodic_actions(config, checkpointer, writer, state, start_time: float,
+                              save_checkpoints: bool):
+  """Logging to absl, writing scalars, and periodic checkpointing."""
+  start_step = state.global_step
+  growth = config.periodic_action_growth_ratios
+  logging_type = _interval_type(config, "logging_interval_type")
+  log_telemetry = _Telemetry(config.training_steps, start_time, start_step)
+
+  def log_progress(t, step, scalars):
+    values = host_scalars(scalars)
+    logging.info(log_telemetry.progress_line(step, log_telemetry.steps_per_sec(t, step), values))
+
+  actions = [periodic.PeriodicAction(
+      log_progress, logging_type, config.log_tensors_interval, start_step=start_step,
+      logging_growth_ratios=growth)]
+
+  if writer is not None and config.log_train_data_interval is not None:
+    write_telemetry = _Telemetry(config.training_steps, start_time, start_step)
+
+    def write_scalars(t, step, scalars):
+      values = host_scalars(scalars)
+      steps_per_sec = write_telemetry.steps_per_sec(t, step)
+      if steps_per_sec is not None:
+        values["steps_per_sec"] = steps_per_sec
+      writer.write_scalars(step, values)
+
+    actions.append(periodic.PeriodicAction(
+        write_scalars, logging_type, config.log_train_data_interval, start_step=start_step,
+        log_all_data=config.log_all_train_data, logging_growth_ratios=growth))
+
+  if save_checkpoints:
+    actions.append(periodic.PeriodicAction(
+        lambda t, step, scalars: checkpointer.save("latest"),
+        _interval_type(config, "checkpoint_interval_type"), config.save_checkpoint_interval,
+        start_time=start_time, start_step=start_step, run_async=False,
+        run_on_final_step=False))
+  return actions
+
+
+def train(experiment_class, config, checkpointer, writer,
+          periodic_actions: Sequence[periodic.PeriodicAction] = ()) -> None:
+  """Trains `experiment_class` until its `should_run_step` says stop.
+
+  Resumes from the checkpointer's `latest` series when it has a checkpoint.
+  The chief process (or every process, with `train_checkpoint_all_hosts`)
+  checkpoints periodically and at the end.
+  """
+  save_checkpoints = multihost.is_chief() or config.train_checkpoint_all_hosts
+
+  # --- State: construct the experiment, then restore over it. ---
+  state = checkpointer.get_experiment_state("latest")
+  state.config = config
+  state.global_step = 0
+  with experiment_lib.log_activity("experiment init"):
+    state.experiment_module = experiment_class(
+        "train", init_rng=rng.seed_key(config.random_seed), **config.experiment_kwargs)
+  state.train_step_rng = state.experiment_module.initialize_train_step_rng(
+      config.random_seed, state)
+  if checkpointer.can_be_restored("latest"):
+    with experiment_lib.log_activity("checkpoint restore"):
+      checkpointer.restore("latest")
+  elif config.save_initial_train_checkpoint and save_checkpoints:
+    checkpointer.save("latest")
+
+  # --- Periodic actions: user's first, then logging and checkpointing. ---
+  actions = list(periodic_actions) + _default_periodic_actions(
+      config, checkpointer, writer, state, time.time(), save_checkpoints)
+
+  # --- The loop. ---
+  state.experiment_module.train_loop(config, state, actions, writer)
+
+  # --- Wrap-up: log the final step, save it, wait for async work. ---
+  for action in actions:
+    action.finish()
+  if save_checkpoints:
+    with experiment_lib.log_activity("final checkpoint"):
+      checkpointer.save("latest")
+  checkpointer.wait_for_checkpointing_to_finish()
+  if writer is not None:
+    writer.flush()
+  multihost.rendezvous("jaxline_ng_train_end")
+
+
+class _BestTracker:
+  """Saves the `best` series when the eval metric strictly improves."""
+
+  def __init__(self, config, checkpointer, experiment):
+    self._metric = config.best_model_eval_metric
+    self._higher_is_better = config.best_model_eval_metric_higher_is_better
+    self._checkpointer = checkpointer
+    self._state = checkpointer.get_experiment_state("best")
+    self._state.config = config
+    self._state.experiment_module = None  # Restore only the metric, not the weights.
+    if checkpointer.can_be_restored("best"):
+      checkpointer.restore("best")
+    if getattr(self._state, "best_eval_metric_value", None) is None:
+      self._state.best_eval_metric_value = -math.inf if self._higher_is_better else math.inf
+    self._state.experiment_module = experiment
+    logging.info("[jaxline_ng] Best %s so far: %s", self._metric,
+                 self._state.best_eval_metric_value)
+
+  def update(self, global_step: int, scalars: Mapping[str, Any]) -> None:
+    value = float(scalars[self._metric])
+    best = self._state.best_eval_metric_value
+    # Strict comparisons: ties do not save, and NaN never does.
+    improved = value > best if self._higher_is_better else value < best
+    if not improved:
+      return
+    logging.info("[jaxline_ng] New best %s=%s at step %d (was %s).",
+                 self._metric, value, global_step, best)
+    self._state.best_eval_metric_value = value
+    self._state.global_step = global_step
+    self._state.experiment_module.on_new_best_model(self._state)
+    self._checkpointer.save("best")
+
+
+def _check_best_metric(config, scalars: Mapping[str, Any]) -> None:
+  name = config.best_model_eval_metric
+  if name and name not in scalars:
+    raise base_config.ConfigError(
+        f"config.best_model_eval_metric={name!r} is not among the scalars "
+        f"evaluate returned: {sorted(scalars)}")
+
+
+def evaluate(experiment_class, config, checkpointer, writer,
+             jaxline_mode: Optional[str] = None, *,
+             poll_interval_secs: float = EVAL_POLL_SECS,
+             stop_waiting=None) -> None:
+  """Evaluates each new checkpoint of the `latest` series once.
+
+  Stops after evaluating a checkpoint whose step ends training (by the
+  experiment's `should_run_step`), after one evaluation with
+  `one_off_evaluate`, or — in `train_eval_multithreaded`, where
+  `stop_waiting()` reports the training thread gone — when no new checkpoint
+  will come.
+  """
+  if jaxline_mode is None:
+    from absl import flags  # Only the command-line path reads the flag.
+    jaxline_mode = flags.FLAGS.jaxline_mode
+
+  with experiment_lib.log_activity("experiment init"):
+    experiment = experiment_class(
+        jaxline_mode, init_rng=rng.seed_key(config.random_seed), **config.experiment_kwargs)
+  state = checkpointer.get_experiment_state("latest")
+  state.config = config
+  state.global_step = 0
+  state.experiment_module = experiment
+  best = None
+  if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts):
+    best = _BestTracker(config, checkpointer, experiment)
+  eval_rng = rng.per_device_keys(rng.seed_key(config.random_seed), config.random_mode_eval)
+  evaluate_fn = experiment_lib.evaluate_should_return_dict(
+      experiment_lib.keyword_filtered(experiment.evaluate))
+
+  evaluated_path = None
+  initial_weights_pending = config.eval_initial_weights
+  while True:
+    # --- Wait for something to evaluate. ---
+    path = checkpointer.restore_path("latest")
+    if path is not None and path != evaluated_path:
+      with experiment_lib.log_activity("checkpoint restore"):
+        checkpointer.restore("latest")
+      evaluated_path = path
+    elif path is None and initial_weights_pending:
+      state.global_step = 0
+    elif stop_waiting is not None and stop_waiting():
+      return
+    else:
+      time.sleep(poll_interval_secs)
+      continue
+    initial_weights_pending = False
+
+    # --- Evaluate, write, track the best. ---
+    global_step_devices = devices.put_per_device(
+        np.full((jax.local_device_count(),), state.global_step, np.int32))
+    with experiment_lib.log_activity(f"evaluation at step {state.global_step}"):
+      scalars = evaluate_fn(global_step=global_step_devices, rng=eval_rng, writer=writer)
+    _check_best_metric(config, scalars)
+    values = host_scalars(scalars)
+    logging.info("[jaxline_ng] eval step %d: %s", state.global_step, values)
+    if writer is not None:
+      writer.write_scalars(state.global_step, values)
+    if best is not None:
+      best.update(state.global_step, values)
+
+    # --- Done? ---
+    if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
+      break
+  if writer is not None:
+    writer.flush()
+
+
+def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
+                             eval_writer=None) -> None:
+  """Trains on a background thread while the main thread evaluates.
+
+  The evaluator's experiment is constructed with mode
+  "train_eval_multithreaded", as in jaxline. If training raises, evaluation
+  stops and the training error is raised here (jaxline hung forever).
+  """
+  training_errors: list[BaseException] = []
+
+  def run_training():
+    try:
+      train(experiment_class, config, checkpointer, writer)
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised on the main thread)
+      training_errors.append(e)
+
+  trainer = threading.Thread(target=run_training, name="jaxline_ng_train", daemon=True)
+  trainer.start()
+  # If evaluation raises, its error propagates and the daemon trainer ends
+  # with the process.
+  evaluate(experiment_class, config, checkpointer, eval_writer,
+           jaxline_mode="train_eval_multithreaded",
+           poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
+           stop_waiting=lambda: not trainer.is_alive())
+  trainer.join()
+  if training_errors:
+    raise training_errors[0]

@@ -1,0 +1,25 @@
+"""jaxline's `utils` names, re-exported from the modules that own them.
+
+Published experiments import these from `jaxline.utils`; with jaxline_ng
+only the import changes. New code may import from the owning modules.
+`GLOBAL_CHECKPOINT_DICT` may be rebound here (published tests do); the
+in-memory checkpointer looks it up on this module at call time.
+"""
+
+# pylint: disable=unused-import
+from jaxline_ng.checkpointing import (
+    GLOBAL_CHECKPOINT_DICT,
+    Checkpointer,
+    CheckpointNT,
+    InMemoryCheckpointer,
+    SnapshotNT,
+    get_checkpoint_dir,
+)
+from jaxline_ng.debugging import debugger_fallback, disable_pmap_jit
+from jaxline_ng.devices import bcast_local_devices, get_first, tree_psum
+from jaxline_ng.experiment import evaluate_should_return_dict, kwargs_only, log_activity
+from jaxline_ng.multihost import rendezvous
+from jaxline_ng.periodic import PeriodicAction, make_async
+from jaxline_ng.prefetch import double_buffer, double_buffer_on_gpu, py_prefetch
+from jaxline_ng.rng import host_id_devices_for_rng, specialize_rng_host_device
+from jaxline_ng.writers import Writer

@@ -1,0 +1,16 @@
+"""Test-session set-up: fake CPU devices, set before JAX is imported anywhere.
+
+Four devices exercise the per-device code paths (leading axes, rng
+specialisation) while keeping collectives cheap on a 2-core CI machine; see
+tests/README.md for why the suite is shaped the way it is.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (must follow the environment set-up above)
+
