@@ -5,7 +5,7 @@ A checkpointer keeps named series (`latest`, `best`) of snapshots of an
 `get_experiment_state(series)` and call `save`/`restore` on the series name;
 the checkpointer decides where snapshots live.
 
-`InMemoryCheckpointer` keeps jaxline's layout in `GLOBAL_CHECKPOINT_DICT`:
+`InMemoryCheckpointer` keeps jaxline's layout in `utils.GLOBAL_CHECKPOINT_DICT`:
 `{series: CheckpointNT(active=threading.local(), history=[SnapshotNT(id,
 pickle_nest), ...])}`. Each thread has its own active state (so the train and
 eval threads of `train_eval_multithreaded` do not share one), while the
@@ -17,7 +17,6 @@ experiment object itself); both restore.
 
 import collections
 import os
-import sys
 import threading
 from typing import Any, Optional, Protocol
 
@@ -29,8 +28,6 @@ from jaxline_ng import devices
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
-
-GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
 
 # Not part of a snapshot: the experiment is snapshotted through its own
 # `snapshot_state`, and the config is the running process's, not the saved one's.
@@ -82,13 +79,14 @@ class Checkpointer(Protocol):
 
 
 def global_checkpoint_dict() -> dict[str, CheckpointNT]:
-  """The dict in-memory series live in.
+  """The dict in-memory series live in: `utils.GLOBAL_CHECKPOINT_DICT`.
 
-  Published tests rebind `utils.GLOBAL_CHECKPOINT_DICT` to a dict of their
-  own; the rebinding is honoured by looking the name up at call time.
+  It has one binding, on the module published code reads it from, and is
+  looked up at call time because published tests rebind it to a dict of
+  their own.
   """
-  utils = sys.modules.get("jaxline_ng.utils")
-  return utils.GLOBAL_CHECKPOINT_DICT if utils is not None else GLOBAL_CHECKPOINT_DICT
+  from jaxline_ng import utils  # Deferred: utils re-exports this module.
+  return utils.GLOBAL_CHECKPOINT_DICT
 
 
 def host_snapshot(state: ExperimentState) -> dict[str, Any]:

@@ -35,6 +35,43 @@ _MODE = flags.DEFINE_string(
 TRAIN_EVAL_MULTITHREADED = "train_eval_multithreaded"
 
 
+def _report_config_errors_in_one_line(config_flag) -> None:
+  """Makes config-file failures one-line flag errors instead of tracebacks.
+
+  ml_collections reports a missing file only when the config is first read
+  (several lines later), and a syntax error or an override of an unknown key
+  as a raw traceback. Each becomes a flag error naming the file or override.
+  """
+  parse = config_flag._parse  # pylint: disable=protected-access
+
+  def parse_or_explain(argument: str):
+    path = argument.split(":", 1)[0]
+    if not os.path.isfile(path):
+      raise flags.IllegalFlagValueError(f"config file {path!r} does not exist")
+    if not os.access(path, os.R_OK):
+      raise flags.IllegalFlagValueError(f"config file {path!r} is not readable")
+    try:
+      return parse(argument)
+    except flags.Error:
+      raise
+    except SyntaxError as e:
+      raise flags.IllegalFlagValueError(
+          f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None
+    except (AttributeError, KeyError) as e:
+      key = str(e).strip("\"'")
+      raise flags.IllegalFlagValueError(
+          f"--config.{key}: no key {key!r} in the config {path!r} defines") from None
+    except Exception as e:  # pylint: disable=broad-except  (any failure of user code)
+      first_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+      raise flags.IllegalFlagValueError(
+          f"loading {argument!r} failed: {type(e).__name__}: {first_line}") from None
+
+  config_flag._parse = parse_or_explain  # pylint: disable=protected-access
+
+
+_report_config_errors_in_one_line(FLAGS["config"])
+
+
 def check_mode(mode: str) -> None:
   """Raises ConfigError unless `mode` is one the platform runs."""
   if mode in ("train", "eval", TRAIN_EVAL_MULTITHREADED) or mode.startswith("eval_"):

@@ -2,13 +2,14 @@
 
 Published experiments import these from `jaxline.utils`; with jaxline_ng
 only the import changes. New code may import from the owning modules.
-`GLOBAL_CHECKPOINT_DICT` may be rebound here (published tests do); the
-in-memory checkpointer looks it up on this module at call time.
+`GLOBAL_CHECKPOINT_DICT` is the one state this module owns: the in-memory
+checkpoint series, here because published code and tests read and rebind it
+as `utils.GLOBAL_CHECKPOINT_DICT`; the in-memory checkpointer looks it up on
+this module at call time.
 """
 
 # pylint: disable=unused-import
 from jaxline_ng.checkpointing import (
-    GLOBAL_CHECKPOINT_DICT,
     Checkpointer,
     CheckpointNT,
     InMemoryCheckpointer,
@@ -23,3 +24,5 @@ from jaxline_ng.periodic import PeriodicAction, make_async
 from jaxline_ng.prefetch import double_buffer, double_buffer_on_gpu, py_prefetch
 from jaxline_ng.rng import host_id_devices_for_rng, specialize_rng_host_device
 from jaxline_ng.writers import Writer
+
+GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}

@@ -1,0 +1,78 @@
+"""A tiny experiment for end-to-end tests: `python tests/experiments/toy.py --config=tests/experiments/toy.py`.
+
+Its parameters are a vector pulled towards a target by data-parallel SGD; the
+step's data is a function of the step number, so runs are reproducible.
+Config arguments: `:fail_at_step` makes step 3 raise (crash propagation).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_dict
+
+from jaxline_ng import base_config, experiment, platform, utils
+
+
+def get_config(arg: str = ""):
+  config = base_config.get_base_config()
+  config.training_steps = 20
+  config.interval_type = "steps"
+  config.log_tensors_interval = 5
+  config.log_train_data_interval = 5
+  config.save_checkpoint_interval = 10
+  config.checkpoint_dir = "/tmp/jaxline_ng_toy"
+  config.best_model_eval_metric = "neg_distance"
+  learning_rate = config_dict.FieldReference(0.1)
+  config.experiment_kwargs = config_dict.ConfigDict(dict(config=dict(
+      learning_rate=learning_rate,
+      dim=3,
+      fail_at_step=3 if arg == "fail_at_step" else -1,
+  )))
+  config.lock()
+  return config
+
+
+def _loss(params, batch):
+  return jnp.mean(jnp.sum((params - batch) ** 2, axis=-1))
+
+
+def _update(params, batch, learning_rate):
+  loss, grads = jax.value_and_grad(_loss)(params, batch)
+  grads = jax.lax.pmean(grads, axis_name="i")
+  return params - learning_rate * grads, jax.lax.pmean(loss, axis_name="i")
+
+
+class Experiment(experiment.AbstractExperiment):
+  CHECKPOINT_ATTRS = {"_params": "params"}
+
+  def __init__(self, mode, init_rng, config):
+    super().__init__(mode=mode, init_rng=init_rng)
+    self.config = config
+    self._params = utils.bcast_local_devices(jnp.zeros(config.dim))
+    self._update = jax.pmap(
+        functools.partial(_update, learning_rate=config.learning_rate), axis_name="i",
+        donate_argnums=0)
+
+  def _batch(self, step: int):
+    num_devices = jax.local_device_count()
+    rows = np.random.default_rng(step).normal(1.0, 0.1, (num_devices, 8, self.config.dim))
+    return rows.astype(np.float32)
+
+  def step(self, global_step, rng, writer):
+    step = int(utils.get_first(global_step))
+    if step == self.config.fail_at_step:
+      raise RuntimeError(f"toy experiment fails at step {step}")
+    self._params, loss = self._update(self._params, self._batch(step))
+    return {"loss": utils.get_first(loss)}
+
+  def evaluate(self, global_step, rng, writer):
+    params = utils.get_first(self._params)
+    return {"neg_distance": -jnp.linalg.norm(params - 1.0), "params/mean": jnp.mean(params)}
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(functools.partial(platform.main, Experiment))

@@ -1,0 +1,57 @@
+"""The base config: jaxline's keys and defaults, and what validation rejects."""
+
+import pytest
+from ml_collections import config_dict
+
+from jaxline_ng import base_config
+
+JAXLINE_KEYS = (
+    "training_steps", "interval_type", "save_checkpoint_interval", "log_tensors_interval",
+    "log_train_data_interval", "periodic_action_growth_ratios", "log_async", "log_all_hosts",
+    "logging_interval_type", "checkpoint_interval_type", "save_initial_train_checkpoint",
+    "train_checkpoint_all_hosts", "best_checkpoint_all_hosts", "log_all_train_data",
+    "eval_initial_weights", "one_off_evaluate", "max_checkpoints_to_keep", "random_seed",
+    "random_mode_train", "random_mode_eval", "legacy_random_seed_behavior",
+    "best_model_eval_metric", "best_model_eval_metric_higher_is_better", "experiment_kwargs",
+    "checkpoint_dir")
+
+
+def test_has_every_jaxline_key():
+  config = base_config.get_base_config()
+  for key in JAXLINE_KEYS:
+    assert key in config, key
+  base_config.validate_config(config)
+
+
+def test_extra_keys_field_references_and_lock_are_fine():
+  config = base_config.get_base_config()
+  steps = config_dict.FieldReference(100)
+  config.training_steps = steps
+  config.my_own_key = "anything"
+  config.experiment_kwargs = config_dict.ConfigDict({"config": {"total": steps}})
+  config.lock()
+  base_config.validate_config(config)
+  steps.set(7)
+  assert config.training_steps == 7 and config.experiment_kwargs.config.total == 7
+
+
+def test_missing_base_key_is_named():
+  config = base_config.get_base_config()
+  del config["random_mode_eval"]
+  with pytest.raises(base_config.ConfigError, match="'random_mode_eval'"):
+    base_config.validate_config(config)
+
+
+@pytest.mark.parametrize("key,value,culprit", [
+    ("random_mode_train", "unique_world", "random_mode_train"),
+    ("interval_type", "hours", "interval_type"),
+    ("checkpoint_interval_type", "epochs", "checkpoint_interval_type"),
+    ("training_steps", -1, "training_steps"),
+    ("max_checkpoints_to_keep", 0, "max_checkpoints_to_keep"),
+    ("checkpointer", "cloud", "checkpointer"),
+])
+def test_malformed_values_name_the_key(key, value, culprit):
+  config = base_config.get_base_config()
+  config[key] = value
+  with pytest.raises(base_config.ConfigError, match=f"config.{culprit}="):
+    base_config.validate_config(config)

@@ -1,0 +1,127 @@
+"""In-memory checkpoints: both published snapshot layouts, rebinding, and restore."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxline_ng import base_config, checkpointing, experiment, train, utils
+
+
+class Params(experiment.AbstractExperiment):
+  CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state"}
+  NON_BROADCAST_CHECKPOINT_ATTRS = {"_epoch": "epoch"}
+  seen = []
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._params = utils.bcast_local_devices({"w": jnp.zeros(3)})
+    self._opt_state = None
+    self._epoch = 0
+
+  def step(self, global_step, **unused):
+    Params.seen.append(int(utils.get_first(global_step)))
+    return {}
+
+  def evaluate(self, **unused):
+    return {"w0": utils.get_first(self._params)["w"][0]}
+
+
+def config_for(steps):
+  config = base_config.get_base_config()
+  config.training_steps = steps
+  return config
+
+
+def run_train(steps):
+  Params.seen = []
+  config = config_for(steps)
+  train.train(Params, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+
+
+def test_restores_jaxline_008_layout_built_by_hand(monkeypatch):
+  """`pickle_nest['experiment_module']` is a snapshot_state() dict (jaxline 0.0.8)."""
+  nest = {"global_step": 4,
+          "experiment_module": {"params": {"w": np.full(3, 7.0, np.float32)},
+                                "opt_state": None, "epoch": 2}}
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {
+      "latest": utils.CheckpointNT(threading.local(), [utils.SnapshotNT(0, nest)])})
+  run_train(6)
+  assert Params.seen == [4, 5]
+  state = checkpointing.InMemoryCheckpointer(config_for(6), "train").get_experiment_state("latest")
+  assert state.experiment_module._epoch == 2
+  np.testing.assert_array_equal(utils.get_first(state.experiment_module._params)["w"],
+                                np.full(3, 7.0))
+
+
+def test_restores_pre_008_layout_holding_the_experiment(monkeypatch):
+  """Older published code stores the experiment object itself in the snapshot."""
+  old = Params("train", None)
+  old._params = utils.bcast_local_devices({"w": jnp.full(3, 5.0)})
+  old._epoch = 9
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {
+      "latest": utils.CheckpointNT(threading.local(), [
+          utils.SnapshotNT(0, {"global_step": 3, "experiment_module": old})])})
+  run_train(5)
+  assert Params.seen == [3, 4]
+  state = checkpointing.InMemoryCheckpointer(config_for(5), "train").get_experiment_state("latest")
+  assert state.experiment_module._epoch == 9
+  # The final save is in the 0.0.8 layout, copied to host.
+  final = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest
+  assert final["global_step"] == 5
+  np.testing.assert_array_equal(final["experiment_module"]["params"]["w"], np.full(3, 5.0))
+
+
+def test_rebinding_utils_dict_is_honoured(monkeypatch):
+  mine = {}
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", mine)
+  run_train(2)
+  assert mine["latest"].history[-1].pickle_nest["global_step"] == 2
+
+
+def test_threads_have_their_own_live_state(monkeypatch):
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+  checkpointer = checkpointing.InMemoryCheckpointer(config_for(1), "train")
+  main_state = checkpointer.get_experiment_state("latest")
+  other = []
+  thread = threading.Thread(target=lambda: other.append(checkpointer.get_experiment_state("latest")))
+  thread.start()
+  thread.join()
+  assert other[0] is not main_state
+  assert checkpointer.get_experiment_state("latest") is main_state
+
+
+def test_restore_path_changes_with_each_save(monkeypatch):
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+  checkpointer = checkpointing.InMemoryCheckpointer(config_for(1), "train")
+  assert checkpointer.restore_path("latest") is None
+  assert not checkpointer.can_be_restored("latest")
+  checkpointer.save("latest")
+  first = checkpointer.restore_path("latest")
+  checkpointer.save("latest")
+  assert checkpointer.restore_path("latest") != first
+
+
+def test_checkpoint_attrs_as_instance_property(monkeypatch):
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+
+  class PropertyAttrs(Params):
+
+    @property
+    def CHECKPOINT_ATTRS(self):  # pylint: disable=invalid-name
+      return {"_params": "weights"}
+
+  config = config_for(2)
+  train.train(PropertyAttrs, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  snapshot = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest["experiment_module"]
+  assert set(snapshot) == {"weights", "epoch"}
+
+
+def test_get_checkpoint_dir_creates_per_host_dir(tmp_path):
+  config = config_for(1)
+  config.checkpoint_dir = str(tmp_path)
+  path = utils.get_checkpoint_dir(config, 3)
+  assert path.startswith(str(tmp_path)) and "3" in path
+  assert (tmp_path / path.split("/")[-1]).is_dir()

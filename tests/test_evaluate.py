@@ -1,0 +1,183 @@
+"""The evaluation loop and best-metric checkpointing."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxline_ng import base_config, checkpointing, experiment, train, utils
+
+
+@pytest.fixture(autouse=True)
+def fresh_checkpoints(monkeypatch):
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+
+
+def make_config(**overrides):
+  config = base_config.get_base_config()
+  config.training_steps = 10
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+class Scripted(experiment.AbstractExperiment):
+  """`evaluate` returns `metric/score = SCORES[global_step]` and records calls."""
+  CHECKPOINT_ATTRS = {"_w": "w"}
+  NON_BROADCAST_CHECKPOINT_ATTRS = {"_notes": "notes"}
+  SCORES = {}
+  calls = []
+  best_calls = []
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._w = utils.bcast_local_devices(jnp.zeros(2))
+    self._notes = {"mode": mode}
+
+  def step(self, **unused):
+    return {}
+
+  def evaluate(self, global_step, rng, writer):
+    step = int(utils.get_first(global_step))
+    Scripted.calls.append((step, np.asarray(rng), float(utils.get_first(self._w)[0])))
+    return {"metric/score": self.SCORES[step], "other": 1.0}
+
+  def on_new_best_model(self, best_state):
+    Scripted.best_calls.append((best_state.global_step, best_state.best_eval_metric_value))
+
+
+def save_latest(checkpointer, step):
+  """Publishes a `latest` checkpoint for `step` from another thread, as a trainer does.
+
+  Each thread has its own live state, so the evaluator's is left alone.
+  """
+
+  def publish():
+    state = checkpointer.get_experiment_state("latest")
+    module = Scripted("train", None)
+    module._w = utils.bcast_local_devices(jnp.full(2, float(step)))
+    state.global_step, state.experiment_module = step, module
+    checkpointer.save("latest")
+
+  trainer = threading.Thread(target=publish)
+  trainer.start()
+  trainer.join()
+
+
+def run_eval(config, checkpointer, steps):
+  """Saves a checkpoint per step, evaluating after each, like a following eval job."""
+  Scripted.calls, Scripted.best_calls = [], []
+  for step in steps:
+    save_latest(checkpointer, step)
+    train.evaluate(Scripted, config, checkpointer, None, jaxline_mode="eval",
+                   poll_interval_secs=0.01, stop_waiting=lambda: True)
+
+
+@pytest.mark.parametrize("higher_is_better,scores,expected_best", [
+    (True, {2: 0.5, 4: 0.4, 6: 0.5, 8: 0.7, 10: 0.7}, [(2, 0.5), (8, 0.7)]),
+    (False, {2: 0.5, 4: 0.4, 6: 0.5, 8: 0.3, 10: 0.3}, [(2, 0.5), (4, 0.4), (8, 0.3)]),
+])
+def test_best_saved_exactly_on_strict_improvement(higher_is_better, scores, expected_best):
+  Scripted.SCORES = scores
+  config = make_config(best_model_eval_metric="metric/score",
+                       best_model_eval_metric_higher_is_better=higher_is_better,
+                       max_checkpoints_to_keep=10)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, sorted(scores))
+  best = utils.GLOBAL_CHECKPOINT_DICT["best"].history
+  assert [(s.pickle_nest["global_step"], s.pickle_nest["best_eval_metric_value"])
+          for s in best] == expected_best
+  # The best checkpoint holds the weights that were evaluated.
+  assert [float(s.pickle_nest["experiment_module"]["w"][0]) for s in best] == \
+      [float(step) for step, _ in expected_best]
+  # Best value survives a restart: a fresh evaluator does not re-save a worse score.
+  assert Scripted.best_calls[-1] == expected_best[-1]
+
+
+def test_best_value_kept_across_evaluator_restarts():
+  Scripted.SCORES = {3: 0.9, 10: 0.8}
+  config = make_config(best_model_eval_metric="metric/score")
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, [3])
+  run_eval(config, checkpointer, [10])  # A new evaluator: must remember 0.9.
+  assert len(utils.GLOBAL_CHECKPOINT_DICT["best"].history) == 1
+  assert Scripted.best_calls == []
+
+
+def test_nan_metric_never_becomes_best():
+  Scripted.SCORES = {4: float("nan"), 10: float("nan")}
+  config = make_config(best_model_eval_metric="metric/score")
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, [4, 10])
+  assert "best" not in utils.GLOBAL_CHECKPOINT_DICT or \
+      not utils.GLOBAL_CHECKPOINT_DICT["best"].history
+
+
+@pytest.mark.parametrize("all_hosts,saves", [(False, False), (True, True)])
+def test_non_chief_saves_best_only_with_best_checkpoint_all_hosts(monkeypatch, all_hosts, saves):
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  Scripted.SCORES = {10: 1.0}
+  config = make_config(best_model_eval_metric="metric/score",
+                       best_checkpoint_all_hosts=all_hosts)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, [10])
+  assert bool(utils.GLOBAL_CHECKPOINT_DICT.get("best") and
+              utils.GLOBAL_CHECKPOINT_DICT["best"].history) == saves
+
+
+def test_missing_best_metric_names_returned_keys():
+  Scripted.SCORES = {10: 1.0}
+  config = make_config(best_model_eval_metric="accuracy")
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  with pytest.raises(base_config.ConfigError, match=r"'accuracy'.*\['metric/score', 'other'\]"):
+    run_eval(config, checkpointer, [10])
+
+
+def test_each_checkpoint_evaluated_once_with_same_rng_and_stops_at_last_step():
+  Scripted.SCORES = {0: 0.0, 5: 0.1, 10: 0.2}
+  config = make_config(eval_initial_weights=True)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  Scripted.calls = []
+  # Initial weights first (no checkpoint yet), then checkpoints 5 and 10.
+  train.evaluate(Scripted, config, checkpointer, None, jaxline_mode="eval",
+                 poll_interval_secs=0.01, stop_waiting=lambda: True)
+  save_latest(checkpointer, 5)
+  config.eval_initial_weights = False
+  pending = iter([10])
+
+  def publish_next():
+    step = next(pending, None)
+    if step is None:
+      return True
+    save_latest(checkpointer, step)
+    return False
+
+  train.evaluate(Scripted, config, checkpointer, None, jaxline_mode="eval",
+                 poll_interval_secs=0.01, stop_waiting=publish_next)
+  assert [step for step, _, _ in Scripted.calls] == [0, 5, 10]
+  assert [w for _, _, w in Scripted.calls] == [0.0, 5.0, 10.0]
+  rngs = [r for _, r, _ in Scripted.calls]
+  assert rngs[0].shape == (jax.local_device_count(), 2)
+  for r in rngs[1:]:
+    np.testing.assert_array_equal(r, rngs[0])
+  # random_mode_eval defaults to same_host_same_device.
+  assert (rngs[0] == rngs[0][0]).all()
+
+
+def test_one_off_evaluate_stops_after_one():
+  Scripted.SCORES = {5: 0.1}
+  config = make_config(one_off_evaluate=True)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, [5])
+  assert [step for step, _, _ in Scripted.calls] == [5]
+
+
+def test_non_broadcast_attrs_restored_whole():
+  Scripted.SCORES = {10: 0.0}
+  config = make_config()
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, [10])
+  state = checkpointer.get_experiment_state("latest")
+  assert state.experiment_module._notes == {"mode": "train"}

@@ -1,0 +1,305 @@
+"""The training loop: what `step` sees, what is checkpointed, what is logged."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxline_ng import base_config, checkpointing, experiment, rng, train, utils
+
+
+@pytest.fixture(autouse=True)
+def fresh_checkpoints(monkeypatch):
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+
+
+def make_config(**overrides):
+  config = base_config.get_base_config()
+  config.training_steps = 5
+  config.interval_type = "steps"
+  config.log_tensors_interval = 1000
+  config.log_train_data_interval = None
+  config.save_checkpoint_interval = 1000
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+class Recorder:
+  """An inner writer that keeps every scalar write."""
+
+  def __init__(self):
+    self.scalars = []
+
+  def write_scalars(self, global_step, scalars):
+    self.scalars.append((global_step, dict(scalars)))
+
+  def flush(self):
+    pass
+
+
+class Counting(experiment.AbstractExperiment):
+  """Records what the loop hands to `step`; params count steps on device."""
+  CHECKPOINT_ATTRS = {"_count": "count"}
+  seen = []
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._count = utils.bcast_local_devices(jnp.zeros((), jnp.int32))
+    self._add = jax.pmap(lambda c: c + 1, axis_name="i", donate_argnums=0)
+
+  def step(self, global_step, rng, writer):
+    Counting.seen.append((np.asarray(global_step), np.asarray(rng)))
+    self._count = self._add(self._count)
+    return {"count": utils.get_first(self._count)}
+
+  def evaluate(self, global_step, rng, writer):
+    return {"count": utils.get_first(self._count)}
+
+
+def run_counting(config, writer=None):
+  Counting.seen = []
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  train.train(Counting, config, checkpointer, writer)
+  return checkpointer
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+def test_step_sees_per_device_global_step_and_raw_keys(steps):
+  run_counting(make_config(training_steps=steps))
+  num_devices = jax.local_device_count()
+  assert len(Counting.seen) == steps
+  for expected_step, (global_step, key) in enumerate(Counting.seen):
+    np.testing.assert_array_equal(global_step, np.full(num_devices, expected_step))
+    assert key.shape == (num_devices, 2) and key.dtype == np.uint32
+  keys = np.stack([key for _, key in Counting.seen])
+  # unique_host_unique_device: no key repeats across steps or devices.
+  assert len({tuple(k) for k in keys.reshape(-1, 2)}) == steps * num_devices
+
+
+def test_step_keys_are_same_across_devices_in_same_device_mode():
+  run_counting(make_config(random_mode_train="same_host_same_device", training_steps=3))
+  for _, key in Counting.seen:
+    assert (key == key[0]).all()
+
+
+def test_train_key_differs_from_init_key_unless_legacy():
+  init_key = np.asarray(rng.seed_key(42))
+  for legacy, should_match in ((False, False), (True, True)):
+    chain = np.asarray(rng.train_chain_key(42, legacy))
+    assert (chain == init_key).all() == should_match
+
+
+def test_final_checkpoint_holds_step_count_and_state():
+  checkpointer = run_counting(make_config(training_steps=7))
+  nest = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest
+  assert nest["global_step"] == 7
+  assert int(nest["experiment_module"]["count"]) == 7
+  assert isinstance(nest["experiment_module"]["count"], np.ndarray)  # host copy
+  assert checkpointer.can_be_restored("latest")
+
+
+def test_periodic_checkpoints_follow_interval_and_max_to_keep():
+  run_counting(make_config(training_steps=10, save_checkpoint_interval=3,
+                           max_checkpoints_to_keep=2))
+  history = utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+  # Saved at 3, 6, 9 and the final 10; only the last two are kept.
+  assert [s.pickle_nest["global_step"] for s in history] == [9, 10]
+  assert [s.id for s in history] == [2, 3]
+
+
+def test_initial_checkpoint_saved_when_asked():
+  run_counting(make_config(training_steps=2, save_initial_train_checkpoint=True,
+                           max_checkpoints_to_keep=5))
+  steps = [s.pickle_nest["global_step"]
+           for s in utils.GLOBAL_CHECKPOINT_DICT["latest"].history]
+  assert steps == [0, 2]
+
+
+def test_resume_continues_step_count_and_rng_chain():
+  config = make_config(training_steps=6)
+  run_counting(config)
+  uninterrupted_keys = [key for _, key in Counting.seen]
+
+  utils.GLOBAL_CHECKPOINT_DICT.clear()
+  run_counting(make_config(training_steps=3))
+  first_half = [key for _, key in Counting.seen]
+  run_counting(config)  # Restores `latest` (step 3) and runs steps 3..5.
+  second_half = [(int(gs[0]), key) for gs, key in Counting.seen]
+  assert [s for s, _ in second_half] == [3, 4, 5]
+  np.testing.assert_array_equal(first_half + [k for _, k in second_half], uninterrupted_keys)
+  nest = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest
+  assert int(nest["experiment_module"]["count"]) == 6
+
+
+def test_no_checkpoints_from_non_chief_unless_all_hosts(monkeypatch):
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  run_counting(make_config(training_steps=2))
+  assert not utils.GLOBAL_CHECKPOINT_DICT.get("latest", checkpointing.CheckpointNT(None, [])).history
+  run_counting(make_config(training_steps=2, train_checkpoint_all_hosts=True))
+  assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+
+
+def test_writer_gets_scalars_at_interval_and_final_step():
+  writer = Recorder()
+  run_counting(make_config(training_steps=7, log_train_data_interval=3), writer)
+  assert [step for step, _ in writer.scalars] == [3, 6, 7]
+  assert [s["count"] for _, s in writer.scalars] == [3, 6, 7]
+  assert all("steps_per_sec" in s for _, s in writer.scalars[1:])
+
+
+def test_log_all_train_data_writes_every_step():
+  writer = Recorder()
+  run_counting(make_config(training_steps=7, log_train_data_interval=3,
+                           log_all_train_data=True), writer)
+  assert [step for step, _ in writer.scalars] == list(range(1, 8))
+  assert [s["count"] for _, s in writer.scalars] == list(range(1, 8))
+
+
+class Donating(experiment.AbstractExperiment):
+  """Donates its params every step, and keeps running after a checkpoint."""
+  CHECKPOINT_ATTRS = {"_params": "params"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._params = utils.bcast_local_devices({"w": jnp.zeros((4,))})
+    self._update = jax.pmap(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
+
+  def step(self, **unused_kwargs):
+    self._params = self._update(self._params)
+    return {}
+
+  def evaluate(self, **unused_kwargs):
+    return {}
+
+
+def test_snapshot_unaffected_by_donation_and_later_steps():
+  config = make_config(training_steps=9, save_checkpoint_interval=4, max_checkpoints_to_keep=5)
+  train.train(Donating, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  history = utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+  for snapshot in history:
+    step = snapshot.pickle_nest["global_step"]
+    np.testing.assert_array_equal(snapshot.pickle_nest["experiment_module"]["params"]["w"],
+                                  np.full((4,), float(step)))
+
+
+class KeywordVariants(experiment.AbstractExperiment):
+  """Declares exactly the keywords, keyword-only, and evaluate with **unused."""
+  calls = 0
+
+  def step(self, *, global_step, rng, writer):
+    KeywordVariants.calls += 1
+    return {}
+
+  def evaluate(self, global_step, **unused):
+    return None  # Tolerated, with a warning.
+
+
+class OnlyGlobalStep(KeywordVariants):
+
+  def step(self, global_step):  # Declares only what it uses, no **kwargs.
+    KeywordVariants.calls += 1
+    return {}
+
+
+@pytest.mark.parametrize("cls", [KeywordVariants, OnlyGlobalStep])
+def test_step_signature_variants(cls):
+  KeywordVariants.calls = 0
+  config = make_config(training_steps=3)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  train.train(cls, config, checkpointer, None)
+  assert KeywordVariants.calls == 3
+  train.evaluate(cls, config, checkpointer, None, jaxline_mode="eval")
+
+
+class EpochBased(Counting):
+  """Stops by its own rule, with `training_steps=None`."""
+
+  def should_run_step(self, global_step, config):
+    assert isinstance(global_step, int)
+    return global_step < 4
+
+
+def test_should_run_step_override_ends_training():
+  Counting.seen = []
+  config = make_config(training_steps=None)
+  train.train(EpochBased, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert len(Counting.seen) == 4
+
+
+class Traced(experiment.AbstractExperiment):
+  traces = 0
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+
+    def update(x, global_step, key):
+      Traced.traces += 1
+      return x + global_step + jax.random.uniform(key)
+
+    self._update = jax.pmap(update, axis_name="i")
+    self._x = utils.bcast_local_devices(jnp.zeros(()))
+
+  def step(self, global_step, rng, writer):
+    self._x = self._update(self._x, global_step, rng)
+    return {"x": utils.get_first(self._x)}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+def test_step_compiles_once_over_many_steps():
+  Traced.traces = 0
+  config = make_config(training_steps=40, log_tensors_interval=7, save_checkpoint_interval=9)
+  train.train(Traced, config, checkpointing.InMemoryCheckpointer(config, "train"), Recorder())
+  assert Traced.traces == 1
+  assert rng._advance_steps._cache_size() == 1  # pylint: disable=protected-access
+
+
+class Failing(Counting):
+
+  def step(self, global_step, rng, writer):
+    if int(utils.get_first(global_step)) == 2:
+      raise RuntimeError("boom at step 2")
+    return super().step(global_step, rng, writer)
+
+
+def test_multithreaded_training_error_stops_evaluation_and_is_raised():
+  config = make_config(training_steps=50, save_checkpoint_interval=1)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  finished = threading.Event()
+  errors = []
+
+  def run():
+    try:
+      train.train_eval_multithreaded(Failing, config, checkpointer, None)
+    except RuntimeError as e:
+      errors.append(e)
+    finally:
+      finished.set()
+
+  threading.Thread(target=run, daemon=True).start()
+  assert finished.wait(timeout=60), "train_eval_multithreaded hung after a training error"
+  assert errors and "boom at step 2" in str(errors[0])
+
+
+class ModeRecording(Counting):
+  modes = []
+
+  def __init__(self, mode, init_rng):
+    ModeRecording.modes.append(mode)
+    super().__init__(mode, init_rng)
+
+
+def test_multithreaded_constructs_eval_experiment_with_its_mode():
+  ModeRecording.modes = []
+  config = make_config(training_steps=4, save_checkpoint_interval=2)
+  eval_writer = Recorder()
+  train.train_eval_multithreaded(ModeRecording, config,
+                                 checkpointing.InMemoryCheckpointer(config, "train"), None,
+                                 eval_writer=eval_writer)
+  assert sorted(ModeRecording.modes) == ["train", "train_eval_multithreaded"]
+  # The evaluator ends on the final checkpoint.
+  assert eval_writer.scalars[-1] == (4, {"count": 4})
