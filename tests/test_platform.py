@@ -1,0 +1,118 @@
+"""The command line: modes, flags, and one-line errors for bad input.
+
+These run real processes, as users do: `python experiment.py --config=...`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from jaxline_ng import platform, utils
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join("tests", "experiments", "toy.py")
+
+
+def run(*args, script=TOY, timeout=120):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_train_writes_metrics_and_logs_progress(tmp_path):
+  result = run(f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}")
+  assert result.returncode == 0, result.stderr
+  records = read_jsonl(tmp_path / "train" / "metrics.jsonl")
+  assert [r["step"] for r in records] == [5, 10, 15, 20]
+  assert all("loss" in r for r in records)
+  assert "step 20/20 (100.0%)" in result.stderr
+
+
+def test_train_eval_multithreaded_evaluates_final_checkpoint(tmp_path):
+  result = run(f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
+               "--jaxline_mode=train_eval_multithreaded",
+               "--config.experiment_kwargs.config.learning_rate=0.3")
+  assert result.returncode == 0, result.stderr
+  evals = read_jsonl(tmp_path / "eval" / "metrics.jsonl")
+  assert evals[-1]["step"] == 20
+  assert evals[-1]["neg_distance"] > -0.1  # learning_rate override took effect
+  assert "New best neg_distance" in result.stderr
+
+
+def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
+  result = run(f"--config={TOY}:fail_at_step", f"--config.checkpoint_dir={tmp_path}",
+               "--jaxline_mode=train_eval_multithreaded", timeout=90)
+  assert result.returncode != 0
+  assert "toy experiment fails at step 3" in result.stderr
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["--config=missing.py"], "config file 'missing.py' does not exist"),
+    ([f"--config={TOY}", "--config.no_such_key=3"], "--config.no_such_key"),
+    ([f"--config={TOY}", "--config.training_steps=many"], "--config.training_steps=many"),
+    ([f"--config={TOY}", "--jaxline_mode=fly"], "--jaxline_mode='fly'"),
+    ([f"--config={TOY}", "--config.random_mode_eval=unique_everything"],
+     "config.random_mode_eval='unique_everything'"),
+    ([f"--config={TOY}", "--jaxline_mode=train_eval_multithreaded",
+      "--config.best_model_eval_metric=accuracy", "--config.training_steps=2"],
+     "config.best_model_eval_metric='accuracy' is not among the scalars evaluate returned: "
+     "['neg_distance', 'params/mean']"),
+    ([], "--config"),
+])
+def test_bad_input_fails_fast_with_one_line_naming_the_culprit(tmp_path, args, culprit):
+  if args:
+    args = [*args, f"--config.checkpoint_dir={tmp_path}"]
+  result = run(*args, timeout=60)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  error_lines = [l for l in result.stderr.splitlines() if culprit in l]
+  assert error_lines, result.stderr[-2000:]
+
+
+def test_syntax_error_in_config_file_is_one_line(tmp_path):
+  bad = tmp_path / "bad_config.py"
+  bad.write_text("def get_config(:\n")
+  result = run(f"--config={bad}", timeout=60)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  assert f"config file '{bad}' line 1: SyntaxError" in result.stderr
+
+
+def test_bare_main_call_with_unparsed_flags(tmp_path):
+  """Published code calls platform.main(Exp, sys.argv[1:]) without app.run."""
+  script = tmp_path / "bare.py"
+  script.write_text(
+      "import sys\n"
+      f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
+      "import toy\n"
+      "from jaxline_ng import platform\n"
+      "platform.main(toy.Experiment, sys.argv[1:])\n")
+  result = run(f"--config={os.path.join(ROOT, TOY)}", f"--config.checkpoint_dir={tmp_path}",
+               "--config.training_steps=3", script=str(script))
+  assert result.returncode == 0, result.stderr
+  assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 3
+
+
+def test_flagsaver_then_main_with_empty_argv(tmp_path, monkeypatch):
+  """How published tests drive the platform in-process."""
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.training_steps = 4
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    platform.main(toy.Experiment, [])
+  assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest["global_step"] == 4
+  assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 4

@@ -1,0 +1,57 @@
+"""utils keeps every public jaxline name, and importing jaxline_ng stays light."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxline_ng import utils
+
+JAXLINE_UTILS_NAMES = (
+    "get_first", "bcast_local_devices", "py_prefetch", "double_buffer", "double_buffer_on_gpu",
+    "make_async", "specialize_rng_host_device", "host_id_devices_for_rng", "rendezvous",
+    "kwargs_only", "log_activity", "PeriodicAction", "InMemoryCheckpointer", "Writer",
+    "Checkpointer", "disable_pmap_jit", "debugger_fallback", "evaluate_should_return_dict",
+    "tree_psum", "GLOBAL_CHECKPOINT_DICT", "SnapshotNT", "CheckpointNT", "get_checkpoint_dir")
+
+
+@pytest.mark.parametrize("name", JAXLINE_UTILS_NAMES)
+def test_name_is_public(name):
+  assert hasattr(utils, name)
+
+
+def test_importing_the_platform_does_not_import_tensorflow():
+  code = ("import sys; from jaxline_ng import platform, utils, train; "
+          "print('tensorflow' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "False"
+
+
+def test_py_prefetch_yields_in_order_and_reraises():
+  assert list(utils.py_prefetch(lambda: iter(range(20)), buffer_size=3)) == list(range(20))
+
+  def broken():
+    yield 1
+    raise ValueError("bad batch")
+
+  batches = utils.py_prefetch(broken)
+  assert next(batches) == 1
+  with pytest.raises(ValueError, match="bad batch"):
+    next(batches)
+
+
+def test_double_buffer_places_batches_per_device():
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  n = jax.local_device_count()
+  batches = [np.full((n, 2), i, np.float32) for i in range(3)]
+  placed = list(utils.double_buffer(batches))
+  assert [float(utils.get_first(b)[0]) for b in placed] == [0.0, 1.0, 2.0]
+  assert all(len(b.addressable_shards) == n for b in placed)
+
+
+def test_kwargs_only_rejects_positional_calls():
+  f = utils.kwargs_only(lambda a: a)
+  assert f(a=1) == 1
+  with pytest.raises(TypeError):
+    f(1)  # pylint: disable=too-many-function-args
