@@ -22,6 +22,7 @@ from jaxline_ng import base_config
 from jaxline_ng import checkpointing
 from jaxline_ng import debugging
 from jaxline_ng import multihost
+from jaxline_ng import preemption
 from jaxline_ng import train
 
 FLAGS = flags.FLAGS
@@ -154,6 +155,8 @@ def main(experiment_class, argv: Sequence[str],
   """Runs `experiment_class` in the mode `--jaxline_mode` names.
 
   Bad input (config, mode) exits with a one-line error naming the culprit.
+  SIGTERM/SIGINT stop training after the current step, save and flush, and
+  exit with `preemption.EXIT_PREEMPTED` (75).
   """
   argv = _parse_flags_if_needed(argv)
   if len(argv) > 1:
@@ -166,7 +169,9 @@ def main(experiment_class, argv: Sequence[str],
     base_config.validate_config(config)
     check_mode(mode)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
-    with debugging.eager_if_requested():
+    with preemption.stop_on_signals(), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
   except base_config.ConfigError as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
+  except preemption.Preempted:
+    raise SystemExit(preemption.EXIT_PREEMPTED) from None

@@ -19,6 +19,7 @@ from jaxline_ng import devices
 from jaxline_ng import experiment as experiment_lib
 from jaxline_ng import multihost
 from jaxline_ng import periodic
+from jaxline_ng import preemption
 from jaxline_ng import rng
 
 # How often a separate eval job looks for a new checkpoint (jaxline's value).
@@ -134,7 +135,9 @@ def train(experiment_class, config, checkpointer, writer,
 
   Resumes from the checkpointer's `latest` series when it has a checkpoint.
   The chief process (or every process, with `train_checkpoint_all_hosts`)
-  checkpoints periodically and at the end.
+  checkpoints periodically and at the end. When a stop is requested
+  (`preemption`), the loop ends after the current step, the state is saved
+  and flushed as at a normal end, and `preemption.Preempted` is raised.
   """
   save_checkpoints = multihost.is_chief() or config.train_checkpoint_all_hosts
 
@@ -156,9 +159,15 @@ def train(experiment_class, config, checkpointer, writer,
   # --- Periodic actions: user's first, then logging and checkpointing. ---
   actions = list(periodic_actions) + _default_periodic_actions(
       config, checkpointer, writer, state, time.time(), save_checkpoints)
+  actions.append(preemption.StopCheck())
 
   # --- The loop. ---
-  state.experiment_module.train_loop(config, state, actions, writer)
+  preempted = None
+  try:
+    state.experiment_module.train_loop(config, state, actions, writer)
+  except preemption.Preempted as e:
+    logging.warning("[jaxline_ng] %s: saving and exiting.", e)
+    preempted = e
 
   # --- Wrap-up: log the final step, save it, wait for async work. ---
   for action in actions:
@@ -170,6 +179,8 @@ def train(experiment_class, config, checkpointer, writer,
   if writer is not None:
     writer.flush()
   multihost.rendezvous("jaxline_ng_train_end")
+  if preempted is not None:
+    raise preempted
 
 
 class _BestTracker:
@@ -254,7 +265,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
       evaluated_path = path
     elif path is None and initial_weights_pending:
       state.global_step = 0
-    elif stop_waiting is not None and stop_waiting():
+    elif (stop_waiting is not None and stop_waiting()) or preemption.stop_requested():
       return
     else:
       time.sleep(poll_interval_secs)

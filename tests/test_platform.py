@@ -5,6 +5,7 @@ These run real processes, as users do: `python experiment.py --config=...`.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -116,3 +117,29 @@ def test_flagsaver_then_main_with_empty_argv(tmp_path, monkeypatch):
     platform.main(toy.Experiment, [])
   assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest["global_step"] == 4
   assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 4
+
+
+def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
+  """The last step's scalars reach disk and the process exits with EXIT_PREEMPTED."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  process = subprocess.Popen(
+      [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
+       "--config.training_steps=1000000", "--config.log_train_data_interval=1000"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  stderr_lines = []
+  try:
+    for line in process.stderr:  # Wait until training is under way.
+      stderr_lines.append(line)
+      if "step 10/" in line:
+        break
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+  finally:
+    process.kill()
+  stderr = "".join(stderr_lines) + stderr
+  metrics = tmp_path / "train" / "metrics.jsonl"
+  assert process.returncode == 75, stderr[-3000:]
+  last = read_jsonl(metrics)[-1]
+  assert f"stopped by SIGTERM after step {last['step']}" in stderr
+  assert f"Saved in-memory checkpoint latest" in stderr

@@ -1,0 +1,91 @@
+"""Graceful stops: SIGTERM/SIGINT end training at a step boundary, saved.
+
+The first signal asks the run to stop: the training loop finishes the step
+in flight, `train` saves `latest`, waits for the save, flushes the writers,
+and the process exits with `EXIT_PREEMPTED`. A second signal exits at once
+(the default action of that signal); a checkpoint being written then is
+left incomplete and ignored on restore.
+
+The loop learns of the request through a periodic action (`StopCheck`), so
+experiments that override `train_loop` stop too, as long as they call their
+periodic actions after each step as jaxline's loop does.
+"""
+
+import contextlib
+import signal
+import threading
+
+from absl import logging
+
+# EX_TEMPFAIL from sysexits.h: "try again later". A scheduler script can
+# requeue a job that exits with it; the rerun resumes from `latest`.
+EXIT_PREEMPTED = 75
+
+_stop_requested = threading.Event()
+_reason = ["signal"]
+
+
+class Preempted(Exception):
+  """Raised out of the training loop after a stop was requested."""
+
+
+def request_stop(reason: str) -> None:
+  """Asks the training loop to stop at the next step boundary."""
+  _reason[0] = reason
+  _stop_requested.set()
+
+
+def stop_requested() -> bool:
+  return _stop_requested.is_set()
+
+
+def _on_signal(signum, frame) -> None:
+  del frame
+  name = signal.Signals(signum).name
+  if _stop_requested.is_set():
+    logging.warning("[jaxline_ng] Second %s: exiting now.", name)
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+    return
+  logging.warning("[jaxline_ng] %s received: stopping after the current step, "
+                  "saving, then exiting with code %d. Send it again to exit at once.",
+                  name, EXIT_PREEMPTED)
+  request_stop(name)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+  """Within the block, SIGTERM and SIGINT request a stop; handlers restored after.
+
+  Clears an earlier request first. Signal handlers can only be installed from
+  the main thread; elsewhere the block runs with the handlers it has.
+  """
+  _stop_requested.clear()
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  signums = (signal.SIGTERM, signal.SIGINT)
+  previous = {signum: signal.signal(signum, _on_signal) for signum in signums}
+  try:
+    yield
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+class StopCheck:
+  """A periodic action that raises `Preempted` once a stop was requested.
+
+  Runs after the state already counts the finished step, so what `train`
+  saves next is exactly the state after that step.
+  """
+
+  def __call__(self, t: float, step: int, scalars) -> None:
+    if _stop_requested.is_set():
+      raise Preempted(f"stopped by {_reason[0]} after step {step}")
+
+  def finish(self) -> None:
+    pass
+
+  def wait_to_finish(self) -> None:
+    pass
