@@ -9,7 +9,7 @@ insists that the keys below are present and well-formed.
 import ml_collections
 
 INTERVAL_TYPES = ("secs", "steps")
-CHECKPOINTERS = ("memory",)
+CHECKPOINTERS = ("memory", "disk")
 
 
 def get_base_config() -> ml_collections.ConfigDict:
@@ -40,6 +40,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   # Checkpointing.
   config.checkpoint_dir = "/tmp/jaxline_ng"
+  # "memory": jaxline's in-process snapshots; "disk": durable orbax checkpoints.
   config.checkpointer = "memory"
   config.max_checkpoints_to_keep = 5
   config.save_initial_train_checkpoint = False
@@ -50,6 +51,8 @@ def get_base_config() -> ml_collections.ConfigDict:
 
   # Evaluation.
   config.eval_initial_weights = False
+  # How often an evaluator looks for a new checkpoint (jaxline: 10 s).
+  config.eval_poll_interval_secs = 10.0
   config.one_off_evaluate = False
   config.eval_specific_checkpoint_dir = ""
   config.best_model_eval_metric = ""
@@ -103,6 +106,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   steps = config.training_steps
   if steps is not None and (not isinstance(steps, int) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
+
+  if config.restore_path and config.checkpointer != "disk":
+    raise ConfigError(
+        f"config.restore_path={config.restore_path!r} needs config.checkpointer='disk'")
 
   if config.max_checkpoints_to_keep < 1:
     raise ConfigError(

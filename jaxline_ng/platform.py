@@ -83,7 +83,10 @@ def check_mode(mode: str) -> None:
 
 
 def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:
-  """The checkpointer `config.checkpointer` names."""
+  """The checkpointer `config.checkpointer` names: "memory" or "disk"."""
+  if config.checkpointer == "disk":
+    from jaxline_ng import disk_checkpointing  # Deferred: orbax is slow to import.
+    return disk_checkpointing.DiskCheckpointer(config, mode)
   return checkpointing.InMemoryCheckpointer(config, mode)
 
 
@@ -145,7 +148,8 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
           "--config.eval_initial_weights to evaluate initial weights")
     writer = create_writer(config, mode)
     try:
-      train.evaluate(experiment_class, config, checkpointer, writer, jaxline_mode=mode)
+      train.evaluate(experiment_class, config, checkpointer, writer, jaxline_mode=mode,
+                     poll_interval_secs=config.eval_poll_interval_secs)
     finally:
       _close(writer)
 

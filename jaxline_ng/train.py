@@ -90,24 +90,36 @@ class _Telemetry:
     return "[jaxline_ng] " + ", ".join(parts) + (f" | {compact}" if compact else "")
 
 
-def _default_periodic_actions(config, checkpointer, writer, state, start_time: float,
-                              save_checkpoints: bool):
-  """Logging to absl, writing scalars, and periodic checkpointing."""
-  start_step = state.global_step
+def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool):
+  """Logging to absl, writing scalars, and periodic checkpointing.
+
+  Each action's interval continues from the `(time, step)` it last acted at
+  in the restored run (`state.periodic_action_times`), so resuming does not
+  restart the clocks; the times are stored with every checkpoint.
+  """
+  now, start_step = time.time(), state.global_step
+  restored_times = getattr(state, "periodic_action_times", None) or {}
   growth = config.periodic_action_growth_ratios
   logging_type = _interval_type(config, "logging_interval_type")
-  log_telemetry = _Telemetry(config.training_steps, start_time, start_step)
+  actions = {}
+
+  def last_acted(role, default_time):
+    t, step = restored_times.get(role, (default_time, start_step))
+    return {"start_time": t, "start_step": step}
+
+  log_telemetry = _Telemetry(config.training_steps, now, start_step)
 
   def log_progress(t, step, scalars):
     values = host_scalars(scalars)
     logging.info(log_telemetry.progress_line(step, log_telemetry.steps_per_sec(t, step), values))
 
-  actions = [periodic.PeriodicAction(
-      log_progress, logging_type, config.log_tensors_interval, start_step=start_step,
-      logging_growth_ratios=growth)]
+  # Logging starts at time 0 so the first step is logged at once.
+  actions["log"] = periodic.PeriodicAction(
+      log_progress, logging_type, config.log_tensors_interval,
+      logging_growth_ratios=growth, **last_acted("log", 0.0))
 
   if writer is not None and config.log_train_data_interval is not None:
-    write_telemetry = _Telemetry(config.training_steps, start_time, start_step)
+    write_telemetry = _Telemetry(config.training_steps, now, start_step)
 
     def write_scalars(t, step, scalars):
       values = host_scalars(scalars)
@@ -116,17 +128,22 @@ def _default_periodic_actions(config, checkpointer, writer, state, start_time: f
         values["steps_per_sec"] = steps_per_sec
       writer.write_scalars(step, values)
 
-    actions.append(periodic.PeriodicAction(
-        write_scalars, logging_type, config.log_train_data_interval, start_step=start_step,
-        log_all_data=config.log_all_train_data, logging_growth_ratios=growth))
+    actions["write"] = periodic.PeriodicAction(
+        write_scalars, logging_type, config.log_train_data_interval,
+        log_all_data=config.log_all_train_data, logging_growth_ratios=growth,
+        **last_acted("write", 0.0))
+
+  def save_latest(t, step, scalars):
+    del t, step, scalars
+    state.periodic_action_times = {role: action.last_acted for role, action in actions.items()}
+    checkpointer.save("latest")
 
   if save_checkpoints:
-    actions.append(periodic.PeriodicAction(
-        lambda t, step, scalars: checkpointer.save("latest"),
-        _interval_type(config, "checkpoint_interval_type"), config.save_checkpoint_interval,
-        start_time=start_time, start_step=start_step, run_async=False,
-        run_on_final_step=False))
-  return actions
+    actions["checkpoint"] = periodic.PeriodicAction(
+        save_latest, _interval_type(config, "checkpoint_interval_type"),
+        config.save_checkpoint_interval, run_async=False, run_on_final_step=False,
+        **last_acted("checkpoint", now))
+  return list(actions.values()), lambda: save_latest(None, None, None)
 
 
 def train(experiment_class, config, checkpointer, writer,
@@ -153,13 +170,13 @@ def train(experiment_class, config, checkpointer, writer,
   if checkpointer.can_be_restored("latest"):
     with experiment_lib.log_activity("checkpoint restore"):
       checkpointer.restore("latest")
-  elif config.save_initial_train_checkpoint and save_checkpoints:
-    checkpointer.save("latest")
 
   # --- Periodic actions: user's first, then logging and checkpointing. ---
-  actions = list(periodic_actions) + _default_periodic_actions(
-      config, checkpointer, writer, state, time.time(), save_checkpoints)
-  actions.append(preemption.StopCheck())
+  default_actions, save_latest = _default_periodic_actions(
+      config, checkpointer, writer, state, save_checkpoints)
+  actions = [*periodic_actions, *default_actions, preemption.StopCheck()]
+  if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
+    save_latest()
 
   # --- The loop. ---
   preempted = None
@@ -174,7 +191,7 @@ def train(experiment_class, config, checkpointer, writer,
     action.finish()
   if save_checkpoints:
     with experiment_lib.log_activity("final checkpoint"):
-      checkpointer.save("latest")
+      save_latest()
   checkpointer.wait_for_checkpointing_to_finish()
   if writer is not None:
     writer.flush()
@@ -266,7 +283,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     elif path is None and initial_weights_pending:
       state.global_step = 0
     elif (stop_waiting is not None and stop_waiting()) or preemption.stop_requested():
-      return
+      break
     else:
       time.sleep(poll_interval_secs)
       continue
@@ -288,6 +305,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # --- Done? ---
     if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
       break
+  checkpointer.wait_for_checkpointing_to_finish()
   if writer is not None:
     writer.flush()
 

@@ -1,0 +1,259 @@
+"""Durable checkpoints on disk, with orbax-checkpoint.
+
+Select with `config.checkpointer = "disk"`. Each series (`latest`, `best`)
+lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
+`max_checkpoints_to_keep` kept. A checkpoint holds:
+
+- `arrays`: every array of the snapshot, written by orbax (tensorstore), and
+- `meta`: JSON with the snapshot's plain Python values (ints, floats, bools,
+  strings) and, for each entry, the list/dict/tuple skeleton it was made of.
+
+Saving copies the state to host memory on the calling thread (so donation
+and the steps dispatched next cannot change it), then orbax writes it on a
+background thread while training continues; the next save, the final save
+and `wait_for_checkpointing_to_finish` wait for it. Orbax writes into a
+temporary directory and renames it when complete, so a process killed at any
+moment leaves only complete step directories (partial ones are removed when
+the next run starts).
+
+Restoring executes nothing from the checkpoint (no pickle): arrays come back
+through orbax into the structure the experiment already has (NamedTuples,
+optax states, haiku dicts), and plain Python values from JSON. A newest
+checkpoint that fails to load is reported and the one before it is used.
+"""
+
+import json
+import os
+import threading
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from jaxline_ng import checkpointing
+from jaxline_ng import multihost
+
+_PLAIN_VALUES = (bool, int, float, str)
+
+
+class CheckpointFormatError(TypeError):
+  """A snapshot value that cannot be stored without pickle; names the entry."""
+
+
+def _entry_name(top_key: str, path) -> str:
+  return top_key + jax.tree_util.keystr(path)
+
+
+def _skeleton(value: Any) -> Any:
+  """A JSON description of plain containers, or None if `value` has other nodes.
+
+  Leaves become {"leaf": i} (their index among the entry's leaves), so the
+  skeleton plus the leaves rebuild the value without knowing its type.
+  """
+  counter = iter(range(1 << 62))
+
+  def describe(node):
+    if node is None:
+      return {"none": True}
+    if isinstance(node, dict):
+      if not all(isinstance(k, str) for k in node):
+        raise TypeError
+      return {"dict": {k: describe(node[k]) for k in sorted(node)}}
+    if type(node) in (list, tuple):
+      return {type(node).__name__: [describe(v) for v in node]}
+    if isinstance(node, (np.ndarray, np.generic, *_PLAIN_VALUES)):
+      return {"leaf": next(counter)}
+    raise TypeError
+
+  try:
+    return describe(value)
+  except TypeError:
+    return None
+
+
+def _rebuild(skeleton: Any, leaves: list) -> Any:
+  if "none" in skeleton:
+    return None
+  if "leaf" in skeleton:
+    return leaves[skeleton["leaf"]]
+  if "dict" in skeleton:
+    return {k: _rebuild(v, leaves) for k, v in skeleton["dict"].items()}
+  if "list" in skeleton:
+    return [_rebuild(v, leaves) for v in skeleton["list"]]
+  return tuple(_rebuild(v, leaves) for v in skeleton["tuple"])
+
+
+def encode(nest: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  """Splits a host snapshot into orbax arrays and JSON metadata.
+
+  Raises CheckpointFormatError naming the first value that is neither an
+  array nor a plain Python value.
+  """
+  arrays, entries = {}, {}
+  flat_nest = dict(nest)
+  module = flat_nest.pop("experiment_module", None) or {}
+  named = {**{k: v for k, v in flat_nest.items()},
+           **{f"experiment_module/{k}": v for k, v in module.items()}}
+  for name, value in named.items():
+    leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(value)
+    leaves = []
+    for path, leaf in leaves_with_paths:
+      if isinstance(leaf, (np.ndarray, np.generic)):
+        key = str(len(arrays))
+        arrays[key] = np.asarray(leaf)
+        leaves.append({"array": key})
+      elif isinstance(leaf, _PLAIN_VALUES):
+        leaves.append({"value": leaf})
+      else:
+        raise CheckpointFormatError(
+            f"cannot checkpoint {_entry_name(name, path)}: a {type(leaf).__name__} is "
+            "neither an array nor a plain Python value (int, float, bool, str)")
+    entries[name] = {"leaves": leaves, "skeleton": _skeleton(value)}
+  return arrays, {"format": 1, "entries": entries}
+
+
+def decode(arrays: dict[str, np.ndarray], meta: dict[str, Any],
+           live_nest: dict[str, Any]) -> dict[str, Any]:
+  """Rebuilds a snapshot, in the structure of `live_nest` where it has one."""
+  live_module = live_nest.get("experiment_module") or {}
+  live = {**{k: v for k, v in live_nest.items() if k != "experiment_module"},
+          **{f"experiment_module/{k}": v for k, v in live_module.items()}}
+  nest: dict[str, Any] = {}
+  for name, entry in meta["entries"].items():
+    if name.startswith("experiment_module/") and "experiment_module" not in live_nest:
+      continue  # The caller restores only the run's own values (e.g. the best metric).
+    leaves = [arrays[leaf["array"]] if "array" in leaf else leaf["value"]
+              for leaf in entry["leaves"]]
+    live_treedef = jax.tree.structure(live[name]) if name in live else None
+    if entry["skeleton"] is not None:
+      value = _rebuild(entry["skeleton"], leaves)
+      # Same leaves, other node types (a NamedTuple saved as a tuple): take the live ones.
+      if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
+          live_treedef != jax.tree.structure(value):
+        value = jax.tree.unflatten(live_treedef, leaves)
+    elif live_treedef is not None and live_treedef.num_leaves == len(leaves):
+      value = jax.tree.unflatten(live_treedef, leaves)
+    else:
+      raise CheckpointFormatError(
+          f"checkpoint entry {name} has {len(leaves)} leaves but the experiment's "
+          f"has {None if live_treedef is None else live_treedef.num_leaves}")
+    if name.startswith("experiment_module/"):
+      nest.setdefault("experiment_module", {})[name.split("/", 1)[1]] = value
+    else:
+      nest[name] = value
+  return nest
+
+
+def _steps(series_dir: str) -> list[int]:
+  """Complete checkpoints of a series, oldest first (orbax's temp dirs are not numbers)."""
+  if not os.path.isdir(series_dir):
+    return []
+  return sorted(int(name) for name in os.listdir(series_dir) if name.isdigit())
+
+
+def _restore_args() -> ocp.args.Composite:
+  return ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+
+
+class DiskCheckpointer:
+  """The Checkpointer protocol over orbax step directories."""
+
+  def __init__(self, config, mode: str):
+    del mode  # Train and eval processes share the series.
+    root = os.path.join(config.checkpoint_dir, "checkpoints")
+    if not multihost.is_chief():
+      # With *_checkpoint_all_hosts every process saves, each into its own tree.
+      root = os.path.join(root, f"process_{jax.process_index()}")
+    self._root = root
+    self._max_to_keep = config.max_checkpoints_to_keep
+    self._restore_path = config.restore_path
+    self._live = threading.local()
+    self._managers: dict[str, ocp.CheckpointManager] = {}
+    self._lock = threading.Lock()
+    self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+  def _series_dir(self, ckpt_series: str) -> str:
+    return os.path.join(self._root, ckpt_series)
+
+  def _manager(self, ckpt_series: str) -> ocp.CheckpointManager:
+    with self._lock:
+      if ckpt_series not in self._managers:
+        # Each saving process acts alone (only the chief saves by default),
+        # so orbax must not wait for the others at a barrier; it then leaves
+        # creating the directory to us.
+        os.makedirs(self._series_dir(ckpt_series), exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self._max_to_keep,
+            enable_async_checkpointing=True,
+            cleanup_tmp_directories=True,
+            create=False,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=jax.process_index(), active_processes={jax.process_index()}))
+        self._managers[ckpt_series] = ocp.CheckpointManager(
+            self._series_dir(ckpt_series), options=options)
+      return self._managers[ckpt_series]
+
+  def get_experiment_state(self, ckpt_series: str) -> checkpointing.ExperimentState:
+    states = self._live.__dict__.setdefault("states", {})
+    return states.setdefault(ckpt_series, checkpointing.ExperimentState())
+
+  def save(self, ckpt_series: str) -> None:
+    state = self.get_experiment_state(ckpt_series)
+    manager = self._manager(ckpt_series)
+    if manager.latest_step() == state.global_step:
+      return  # This step is saved already (a periodic save just before the final one).
+    arrays, meta = encode(checkpointing.host_snapshot(state))
+    manager.save(state.global_step, args=ocp.args.Composite(
+        arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
+    logging.info("[jaxline_ng] Saving checkpoint %s/%d to %s (in the background).",
+                 ckpt_series, state.global_step, self._series_dir(ckpt_series))
+
+  def _candidates(self, ckpt_series: str) -> list[str]:
+    """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
+    series_dir = self._series_dir(ckpt_series)
+    paths = [os.path.join(series_dir, str(step)) for step in reversed(_steps(series_dir))]
+    if not paths and ckpt_series == "latest" and self._restore_path:
+      steps = _steps(self._restore_path)
+      paths = ([os.path.join(self._restore_path, str(steps[-1]))] if steps
+               else [self._restore_path])
+    return paths
+
+  def can_be_restored(self, ckpt_series: str) -> bool:
+    return bool(self._candidates(ckpt_series))
+
+  def restore_path(self, ckpt_series: str) -> Optional[str]:
+    candidates = self._candidates(ckpt_series)
+    return candidates[0] if candidates else None
+
+  def restore(self, ckpt_series: str) -> None:
+    state = self.get_experiment_state(ckpt_series)
+    fresh_run = not _steps(self._series_dir(ckpt_series))
+    failures = []
+    for path in self._candidates(ckpt_series):
+      try:
+        restored = self._reader.restore(os.path.abspath(path), args=_restore_args())
+        live = state.snapshotted_items()
+        if state.experiment_module is not None:
+          live["experiment_module"] = state.experiment_module.snapshot_state()
+        nest = decode(restored["arrays"], restored["meta"], live)
+      except Exception as e:  # pylint: disable=broad-except  (any damage: try the previous one)
+        logging.warning("[jaxline_ng] Checkpoint %s could not be loaded (%s: %s); "
+                        "trying the previous one.", path, type(e).__name__, e)
+        failures.append(path)
+        continue
+      if fresh_run and ckpt_series == "latest":
+        # `restore_path` seeds a new run: its weights, not its step or keys.
+        nest = {"experiment_module": nest.get("experiment_module", {})}
+      checkpointing.restore_snapshot(state, nest)
+      logging.info("[jaxline_ng] Restored checkpoint %s.", path)
+      return
+    raise FileNotFoundError(
+        f"no loadable checkpoint for series {ckpt_series!r}; tried {failures}")
+
+  def wait_for_checkpointing_to_finish(self) -> None:
+    with self._lock:
+      managers = list(self._managers.values())
+    for manager in managers:
+      manager.wait_until_finished()

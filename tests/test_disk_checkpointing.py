@@ -1,0 +1,156 @@
+"""Durable checkpoints: format, atomicity, fallback, resume, restore_path."""
+
+import collections
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxline_ng import base_config, disk_checkpointing, experiment, train, utils
+
+Moments = collections.namedtuple("Moments", ["mean", "count"])
+
+
+class Rich(experiment.AbstractExperiment):
+  """Checkpoints arrays in NamedTuples and optax states, and plain Python values."""
+  CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state", "_moments": "moments"}
+  NON_BROADCAST_CHECKPOINT_ATTRS = {"_history": "history", "_info": "info", "_nothing": "nothing"}
+  seen_steps = []
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+    self._opt = optax.adam(0.1)
+    self._params = utils.bcast_local_devices(params)
+    self._opt_state = utils.bcast_local_devices(self._opt.init(params))
+    self._moments = utils.bcast_local_devices(Moments(jnp.zeros(()), jnp.zeros((), jnp.int32)))
+    self._history = []
+    self._info = {"name": "rich", "scale": 1.5, "flags": (True, None)}
+    self._nothing = None
+
+    def update(params, opt_state, moments, global_step):
+      grads = jax.tree.map(lambda p: jnp.ones_like(p) * (global_step + 1), params)
+      updates, opt_state = self._opt.update(grads, opt_state)
+      return (optax.apply_updates(params, updates), opt_state,
+              Moments(moments.mean + 1.0, moments.count + 1))
+
+    self._update = jax.pmap(update, axis_name="i")
+
+  def step(self, global_step, **unused):
+    step = int(utils.get_first(global_step))
+    Rich.seen_steps.append(step)
+    self._params, self._opt_state, self._moments = self._update(
+        self._params, self._opt_state, self._moments, global_step)
+    self._history.append(step)
+    return {"b0": utils.get_first(self._params)["b"][0]}
+
+  def evaluate(self, **unused):
+    return {"b0": utils.get_first(self._params)["b"][0]}
+
+
+def disk_config(tmp_path, steps, **overrides):
+  config = base_config.get_base_config()
+  config.checkpointer = "disk"
+  config.checkpoint_dir = str(tmp_path)
+  config.training_steps = steps
+  config.interval_type = "steps"
+  config.save_checkpoint_interval = 2
+  config.max_checkpoints_to_keep = 3
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def run(config):
+  Rich.seen_steps = []
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(Rich, config, checkpointer, None)
+  return checkpointer.get_experiment_state("latest").experiment_module
+
+
+def series_steps(tmp_path, series="latest"):
+  return disk_checkpointing._steps(os.path.join(tmp_path, "checkpoints", series))  # pylint: disable=protected-access
+
+
+def test_resume_restores_every_attribute_in_its_structure(tmp_path):
+  uninterrupted = run(disk_config(tmp_path / "a", 7))
+  run(disk_config(tmp_path / "b", 4))
+  resumed = run(disk_config(tmp_path / "b", 7))
+  assert Rich.seen_steps == [4, 5, 6]
+  assert resumed._history == [0, 1, 2, 3, 4, 5, 6]
+  assert resumed._info == {"name": "rich", "scale": 1.5, "flags": (True, None)}
+  assert resumed._nothing is None
+  assert isinstance(utils.get_first(resumed._moments), Moments)
+  assert type(resumed._opt_state) is type(uninterrupted._opt_state)  # pylint: disable=unidiomatic-typecheck
+  for got, want in zip(jax.tree.leaves(utils.get_first((resumed._params, resumed._opt_state))),
+                       jax.tree.leaves(utils.get_first((uninterrupted._params,
+                                                        uninterrupted._opt_state)))):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_max_to_keep_and_no_duplicate_final_save(tmp_path):
+  run(disk_config(tmp_path, 8))
+  assert series_steps(tmp_path) == [4, 6, 8]
+
+
+def test_unstorable_value_fails_at_first_save_naming_it(tmp_path):
+
+  class Unstorable(Rich):
+
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._info = {"callback": print}
+
+  config = disk_config(tmp_path, 3)
+  with pytest.raises(disk_checkpointing.CheckpointFormatError,
+                     match=r"experiment_module/info\['callback'\]"):
+    train.train(Unstorable, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
+  run(disk_config(tmp_path, 6))
+  newest = os.path.join(tmp_path, "checkpoints", "latest", "6")
+  for dirpath, _, files in os.walk(os.path.join(newest, "arrays")):
+    for name in files:
+      with open(os.path.join(dirpath, name), "r+b") as f:
+        f.truncate(3)
+  resumed = run(disk_config(tmp_path, 8))
+  assert Rich.seen_steps == [4, 5, 6, 7]
+  assert resumed._history == list(range(8))
+  assert "could not be loaded" in caplog.text and newest in caplog.text
+
+
+def test_partial_save_is_ignored_and_cleaned(tmp_path):
+  run(disk_config(tmp_path, 4))
+  partial = os.path.join(tmp_path, "checkpoints", "latest", "6.orbax-checkpoint-tmp-123")
+  shutil.copytree(os.path.join(tmp_path, "checkpoints", "latest", "4"), partial)
+  run(disk_config(tmp_path, 5))
+  assert Rich.seen_steps == [4]
+  assert not os.path.exists(partial)
+
+
+def test_restore_path_seeds_a_fresh_run_with_weights_only(tmp_path):
+  source = run(disk_config(tmp_path / "source", 4))
+  fresh = run(disk_config(tmp_path / "fresh", 2,
+                          restore_path=str(tmp_path / "source" / "checkpoints" / "latest")))
+  assert Rich.seen_steps == [0, 1]
+  assert fresh._history == [0, 1, 2, 3, 0, 1]
+  assert series_steps(tmp_path / "fresh") == [2]
+  del source
+
+
+def test_best_series_on_disk_keeps_metric_value(tmp_path):
+  config = disk_config(tmp_path, 4, best_model_eval_metric="b0",
+                       best_model_eval_metric_higher_is_better=False)
+  run(config)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "eval")
+  train.evaluate(Rich, config, checkpointer, None, jaxline_mode="eval")
+  assert series_steps(tmp_path, "best") == [4]
+  best = disk_checkpointing.DiskCheckpointer(config, "eval")
+  state = best.get_experiment_state("best")
+  best.restore("best")
+  assert state.global_step == 4 and state.best_eval_metric_value < 0
