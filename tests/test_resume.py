@@ -1,0 +1,94 @@
+"""Durable runs across real processes: SIGTERM + resume, and a separate eval job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join("tests", "experiments", "toy.py")
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+           JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+
+
+def toy_args(checkpoint_dir, *extra):
+  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
+          "--config.checkpointer=disk", "--config.training_steps=60",
+          "--config.save_checkpoint_interval=10", "--config.log_train_data_interval=1",
+          *extra]
+
+
+def read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def final_arrays(checkpoint_dir):
+  series = os.path.join(checkpoint_dir, "checkpoints", "latest")
+  newest = max(int(name) for name in os.listdir(series) if name.isdigit())
+  restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+      os.path.join(series, str(newest)),
+      args=ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+  return newest, restored["arrays"]
+
+
+def interrupt_after(args, marker, timeout=120):
+  """Runs until a log line contains `marker`, sends SIGTERM, returns (code, stderr)."""
+  process = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+  lines = []
+  try:
+    for line in process.stderr:
+      lines.append(line)
+      if marker in line:
+        process.send_signal(signal.SIGTERM)
+        break
+    _, rest = process.communicate(timeout=timeout)
+  finally:
+    process.kill()
+  return process.returncode, "".join(lines) + rest
+
+
+def test_sigterm_then_rerun_matches_uninterrupted_run_bit_for_bit(tmp_path):
+  straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+  subprocess.run(toy_args(straight), cwd=ROOT, env=ENV, check=True, capture_output=True,
+                 timeout=120)
+  code, stderr = interrupt_after(toy_args(interrupted), "step 25/60")
+  assert code == 75, stderr[-3000:]
+  stopped_at = read_jsonl(interrupted / "train" / "metrics.jsonl")[-1]["step"]
+  assert 25 <= stopped_at < 60
+  assert f"stopped by SIGTERM after step {stopped_at}" in stderr
+
+  resumed = subprocess.run(toy_args(interrupted), cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=120)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Restored checkpoint" in resumed.stderr
+
+  def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "train" / "metrics.jsonl")}
+
+  assert losses(interrupted) == losses(straight)
+  assert sorted(losses(interrupted)) == list(range(1, 61))
+  step_a, arrays_a = final_arrays(straight)
+  step_b, arrays_b = final_arrays(interrupted)
+  assert step_a == step_b == 60
+  for key in arrays_a:
+    np.testing.assert_array_equal(arrays_a[key], arrays_b[key])
+
+
+def test_separate_eval_process_follows_training_to_the_end(tmp_path):
+  trainer = subprocess.Popen(toy_args(tmp_path), cwd=ROOT, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  evaluator = subprocess.run(
+      toy_args(tmp_path, "--jaxline_mode=eval", "--config.eval_poll_interval_secs=0.2"),
+      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+  assert trainer.wait(timeout=120) == 0
+  assert evaluator.returncode == 0, evaluator.stderr[-3000:]
+  evals = read_jsonl(tmp_path / "eval" / "metrics.jsonl")
+  assert evals[-1]["step"] == 60
+  assert [e["step"] for e in evals] == sorted({e["step"] for e in evals})  # each once
+  assert os.listdir(tmp_path / "checkpoints" / "best")
