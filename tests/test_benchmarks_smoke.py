@@ -1,5 +1,6 @@
 """Every benchmark and stress tool runs in a few-step mode here, so none can rot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -18,3 +19,15 @@ def test_kill_during_save_smoke():
   result = run_module("benchmarks.kill_during_save", "--kills=1")
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]
   assert "1/1 kills left a loadable checkpoint" in result.stdout
+
+
+def test_benchmark_suite_smoke(tmp_path, capsys):
+  from benchmarks import run  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "results.json"
+  assert run.main(["--smoke", "--out", str(out)]) == 0
+  table = capsys.readouterr().out
+  for row in ("loop: framework / hand-written", "logging every step", "in-memory checkpoint",
+              "disk save stall", "framework start-up"):
+    assert row in table
+  results = json.loads(out.read_text())
+  assert results["loop"]["ratio_median"] > 0 and results["startup"]["framework_s"] >= 0

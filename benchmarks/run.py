@@ -1,0 +1,269 @@
+"""jaxline_ng's benchmarks: what the framework costs next to a hand-written loop.
+
+    python -m benchmarks.run                 # full run, ~5 minutes on 2 CPU cores
+    python -m benchmarks.run --smoke         # a few steps of each, in one process (the suite's check)
+
+Every measurement runs in its own process on 4 fake CPU devices, and paired
+variants alternate (A B A B ...), so drift in machine load hits both sides.
+Prints a table and writes it as JSON (`--out`).
+
+- loop: steps/s of the same pmapped MLP update driven by a hand-written loop
+  (replicated state, per-step key split inside the update, one pmap call per
+  step, scalars fetched every 100 steps) and by `jaxline_ng.train` (progress
+  logged every 100 steps). Ratio = framework / hand.
+- logging: `jaxline_ng.train` writing scalars every step (TensorBoard + JSONL,
+  asynchronously) vs not writing. Ratio = logging / none.
+- checkpoint: in-memory checkpoint every 10 steps vs none. Ratio likewise.
+- save_stall: how long one disk save holds up the training thread, next to
+  the time to copy the same state device -> host.
+- startup: seconds from process start to the first step, less `import jax`,
+  the experiment's own construction, and compiling the step.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES = 4
+
+
+# --- Workers: each runs in a fresh process and prints one JSON line. ---
+
+def _timed_steps(warmup: int, steps: int):
+  """A periodic action that times steps warmup..warmup+steps, blocking at both ends."""
+  import jax  # pylint: disable=import-outside-toplevel
+  marks = {}
+
+  def action(t, step, scalars):
+    if step in (warmup, warmup + steps):
+      jax.block_until_ready(scalars)
+      marks[step] = time.perf_counter()
+
+  action.finish = action.wait_to_finish = lambda: None
+  return action, lambda: steps / (marks[warmup + steps] - marks[warmup])
+
+
+def worker_hand(warmup: int, steps: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import rng, utils  # pylint: disable=import-outside-toplevel
+
+  def update_and_split(params, opt_state, batch, key):
+    next_key, step_key = jax.random.split(key)
+    params, opt_state, loss = workloads.update(params, opt_state, batch, step_key)
+    return params, opt_state, loss, next_key
+
+  update = jax.pmap(update_and_split, axis_name="i", donate_argnums=(0, 1))
+  params, opt_state = workloads.initial_state()
+  params, opt_state = utils.bcast_local_devices(params), utils.bcast_local_devices(opt_state)
+  batch = workloads.device_batch()
+  keys = rng.per_device_keys(jax.random.PRNGKey(0), "unique_host_unique_device")
+  start = None
+  for step in range(1, warmup + steps + 1):
+    params, opt_state, loss, keys = update(params, opt_state, batch, keys)
+    if step % 100 == 0:
+      float(loss.addressable_shards[0].data[0])
+    if step == warmup:
+      jax.block_until_ready(loss)
+      start = time.perf_counter()
+  jax.block_until_ready(loss)
+  return {"steps_per_sec": steps / (time.perf_counter() - start)}
+
+
+def worker_framework(warmup: int, steps: int, write_every_step: bool,
+                     checkpoint_every: int) -> dict:
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import base_config, checkpointing, train, writers  # pylint: disable=import-outside-toplevel
+  config = base_config.get_base_config()
+  config.training_steps = warmup + steps
+  config.interval_type = "steps"
+  config.log_tensors_interval = 100
+  config.log_train_data_interval = 1 if write_every_step else None
+  config.save_checkpoint_interval = checkpoint_every or 10**9
+  config.checkpoint_dir = tempfile.mkdtemp(prefix="jaxline_ng_bench_")
+  writer = writers.make_writer(os.path.join(config.checkpoint_dir, "train")) \
+      if write_every_step else None
+  timer, steps_per_sec = _timed_steps(warmup, steps)
+  train.train(workloads.MLPExperiment, config,
+              checkpointing.InMemoryCheckpointer(config, "train"), writer, [timer])
+  if writer is not None:
+    writer.close()
+  return {"steps_per_sec": steps_per_sec()}
+
+
+def worker_save_stall(saves: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import base_config, checkpointing, disk_checkpointing, rng  # pylint: disable=import-outside-toplevel
+  results = {}
+  for kind in ("memory", "disk"):
+    config = base_config.get_base_config()
+    config.checkpoint_dir = tempfile.mkdtemp(prefix="jaxline_ng_bench_")
+    checkpointer = (disk_checkpointing.DiskCheckpointer(config, "train") if kind == "disk"
+                    else checkpointing.InMemoryCheckpointer(config, "train"))
+    state = checkpointer.get_experiment_state("latest")
+    state.config = config
+    state.experiment_module = workloads.MLPExperiment("train", None)
+    state.train_step_rng = rng.per_device_keys(jax.random.PRNGKey(0), "same_host_same_device")
+    stalls, copies = [], []
+    for index in range(saves):
+      state.global_step = index + 1
+      module = state.experiment_module
+      module.step(global_step=None, rng=state.train_step_rng, writer=None)
+      jax.block_until_ready((module._params, module._opt_state))  # pylint: disable=protected-access
+      start = time.perf_counter()
+      jax.device_get(checkpointing.host_snapshot(state))
+      copies.append(time.perf_counter() - start)
+      start = time.perf_counter()
+      checkpointer.save("latest")
+      stalls.append(time.perf_counter() - start)
+      time.sleep(0.05)  # Let a background save finish, as training steps would.
+    checkpointer.wait_for_checkpointing_to_finish()
+    results[kind] = {"stall_ms": 1e3 * statistics.median(stalls),
+                     "copy_ms": 1e3 * statistics.median(copies)}
+  return results
+
+
+def worker_startup() -> dict:
+  # The parent records when it started this process; see _run_worker.
+  process_start = float(os.environ.get("JAXLINE_NG_BENCH_T0", time.time()))
+  before_jax = time.time()
+  import jax  # pylint: disable=import-outside-toplevel
+  jax_import = time.time() - before_jax
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel  (user code)
+  before_framework = time.time()
+  from jaxline_ng import base_config, checkpointing, platform, train  # pylint: disable=import-outside-toplevel,unused-import
+  framework_import = time.time() - before_framework
+  marks = {}
+
+  class Timed(workloads.MLPExperiment):
+
+    def __init__(self, mode, init_rng):
+      start = time.time()
+      super().__init__(mode, init_rng)
+      marks["init"] = time.time() - start
+
+    def step(self, global_step, rng, writer):
+      marks.setdefault("first_step", time.time())
+      return super().step(global_step, rng, writer)
+
+  config = base_config.get_base_config()
+  config.training_steps = 2
+  config.checkpoint_dir = tempfile.mkdtemp(prefix="jaxline_ng_bench_")
+  train_start = time.time()
+  train.train(Timed, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  framework_in_train = marks["first_step"] - train_start - marks["init"]
+  return {"to_first_step_s": marks["first_step"] - process_start, "jax_import_s": jax_import,
+          "framework_import_s": framework_import, "framework_train_setup_s": framework_in_train,
+          "experiment_init_s": marks["init"], "framework_s": framework_import + framework_in_train}
+
+
+WORKERS = {"hand": worker_hand, "framework": worker_framework,
+           "save_stall": worker_save_stall, "startup": worker_startup}
+
+
+_IN_PROCESS = []  # Set by --smoke: run workers here, to exercise the code quickly.
+
+
+def _run_worker(name: str, **kwargs) -> dict:
+  if _IN_PROCESS:
+    from jaxline_ng import utils  # pylint: disable=import-outside-toplevel
+    utils.GLOBAL_CHECKPOINT_DICT.clear()  # As in a fresh process: nothing to resume.
+    return WORKERS[name](**kwargs)
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAXLINE_NG_BENCH_T0=repr(time.time()))
+  result = subprocess.run(
+      [sys.executable, "-m", "benchmarks.run", "--worker", name, "--kwargs", json.dumps(kwargs)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  if result.returncode != 0:
+    raise RuntimeError(f"benchmark worker {name} failed:\n{result.stderr[-3000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _paired(repeats: int, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
+  """Alternates A and B runs; ratio of B's steps/s to A's, per pair."""
+  ratios, a_rates, b_rates = [], [], []
+  for index in range(repeats):
+    order = (a, b) if index % 2 == 0 else (b, a)
+    rates = {id(spec): _run_worker(spec[0], **spec[1])["steps_per_sec"] for spec in order}
+    a_rates.append(rates[id(a)])
+    b_rates.append(rates[id(b)])
+    ratios.append(b_rates[-1] / a_rates[-1])
+  return {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+          "ratio_max": max(ratios), "a_steps_per_sec_median": statistics.median(a_rates),
+          "b_steps_per_sec_median": statistics.median(b_rates), "pairs": repeats}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--smoke", action="store_true", help="a few steps of each benchmark")
+  parser.add_argument("--repeats", type=int, default=6, help="pairs per comparison")
+  parser.add_argument("--steps", type=int, default=3000, help="timed steps per run")
+  parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results.json"))
+  parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+  parser.add_argument("--kwargs", default="{}", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+
+  if args.worker:
+    print(json.dumps(WORKERS[args.worker](**json.loads(args.kwargs))))
+    return 0
+
+  if args.smoke:
+    _IN_PROCESS.append(True)
+  repeats, steps, warmup = (1, 20, 5) if args.smoke else (args.repeats, args.steps, 200)
+  framework = {"warmup": warmup, "steps": steps, "write_every_step": False,
+               "checkpoint_every": 0}
+  results = {
+      "loop": _paired(repeats, ("hand", {"warmup": warmup, "steps": steps}),
+                      ("framework", framework)),
+      "logging": _paired(repeats, ("framework", framework),
+                         ("framework", {**framework, "write_every_step": True})),
+      "checkpoint": _paired(repeats, ("framework", framework),
+                            ("framework", {**framework, "checkpoint_every": 10})),
+      "save_stall": _run_worker("save_stall", saves=3 if args.smoke else 10),
+      "startup": _run_worker("startup"),
+      "machine": {"cpus": os.cpu_count(), "devices": DEVICES, "smoke": args.smoke},
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(results, f, indent=2)
+
+  loop, logging_, checkpoint = results["loop"], results["logging"], results["checkpoint"]
+  stall, startup = results["save_stall"], results["startup"]
+  rows = [
+      ("loop: framework / hand-written steps/s", f"{loop['ratio_median']:.3f}",
+       f"[{loop['ratio_min']:.3f}, {loop['ratio_max']:.3f}]", ">= 0.97"),
+      ("logging every step: slowdown", f"{100 * (1 - logging_['ratio_median']):.1f}%",
+       f"[{100 * (1 - logging_['ratio_max']):.1f}, {100 * (1 - logging_['ratio_min']):.1f}]%",
+       "<= 3%"),
+      ("in-memory checkpoint every 10 steps: slowdown",
+       f"{100 * (1 - checkpoint['ratio_median']):.1f}%",
+       f"[{100 * (1 - checkpoint['ratio_max']):.1f}, {100 * (1 - checkpoint['ratio_min']):.1f}]%",
+       "<= 5%"),
+      ("disk save stall / device->host copy",
+       f"{stall['disk']['stall_ms'] / stall['disk']['copy_ms']:.2f}x",
+       f"{stall['disk']['stall_ms']:.1f} ms vs {stall['disk']['copy_ms']:.1f} ms", "<= 1.5x"),
+      ("in-memory save stall / device->host copy",
+       f"{stall['memory']['stall_ms'] / stall['memory']['copy_ms']:.2f}x",
+       f"{stall['memory']['stall_ms']:.1f} ms vs {stall['memory']['copy_ms']:.1f} ms", ""),
+      ("framework start-up", f"{startup['framework_s']:.2f} s",
+       f"first step at {startup['to_first_step_s']:.2f} s", "<= 0.5 s"),
+  ]
+  print(f"{'benchmark':48} {'median':>9}  {'spread / detail':34} target")
+  for name, value, detail, target in rows:
+    print(f"{name:48} {value:>9}  {detail:34} {target}")
+  print(f"hand-written loop: {loop['a_steps_per_sec_median']:.0f} steps/s, framework: "
+        f"{loop['b_steps_per_sec_median']:.0f} steps/s ({repeats} pairs x {steps} steps, "
+        f"{DEVICES} fake CPU devices)")
+  print(f"results written to {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
