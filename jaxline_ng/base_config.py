@@ -7,6 +7,7 @@ insists that the keys below are present and well-formed.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 INTERVAL_TYPES = ("secs", "steps")
 CHECKPOINTERS = ("memory", "disk")
@@ -58,6 +59,16 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.best_model_eval_metric = ""
   config.best_model_eval_metric_higher_is_better = True
 
+  # Run safety and insight.
+  # What a NaN/Inf training scalar does: "halt", "warn" or "off".
+  config.non_finite_policy = "halt"
+  # Stop training gracefully (saved, exit code 75) after this many seconds.
+  config.wall_clock_budget_secs = config_dict.placeholder(float)
+  # (first, stop): record a profiler trace of the steps first..stop-1.
+  config.profile_steps = ()
+  # Refuse to resume from a checkpoint made with a different config.
+  config.strict_resume_config = False
+
   # Randomness.
   config.random_mode_train = "unique_host_unique_device"
   config.random_mode_eval = "same_host_same_device"
@@ -102,6 +113,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(
         f"config.checkpointer={config.checkpointer!r} is not a checkpointer; "
         f"expected one of {', '.join(CHECKPOINTERS)}")
+
+  from jaxline_ng import guards  # Deferred, like rng above.
+  if config.non_finite_policy not in guards.POLICIES:
+    raise ConfigError(
+        f"config.non_finite_policy={config.non_finite_policy!r} is not a policy; expected "
+        f"one of {', '.join(guards.POLICIES)}")
+
+  budget = config.wall_clock_budget_secs
+  if budget is not None and not budget > 0:
+    raise ConfigError(f"config.wall_clock_budget_secs={budget!r} must be positive or None")
+
+  window = tuple(config.profile_steps or ())
+  if window and (len(window) != 2 or not all(isinstance(s, int) for s in window)
+                 or not 0 <= window[0] < window[1]):
+    raise ConfigError(
+        f"config.profile_steps={config.profile_steps!r} must be () or (first, stop) with "
+        "0 <= first < stop")
 
   steps = config.training_steps
   if steps is not None and (not isinstance(steps, int) or steps < 0):

@@ -22,7 +22,9 @@ from jaxline_ng import base_config
 from jaxline_ng import checkpointing
 from jaxline_ng import debugging
 from jaxline_ng import multihost
+from jaxline_ng import guards
 from jaxline_ng import preemption
+from jaxline_ng import run_record
 from jaxline_ng import train
 
 FLAGS = flags.FLAGS
@@ -117,6 +119,14 @@ def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
 
 
+def _writer_and_record(config, mode: str):
+  """The writer for `<checkpoint_dir>/<mode>`, with `run.json` beside it (chief only)."""
+  if multihost.is_chief():
+    path = run_record.write(config, mode, os.path.join(config.checkpoint_dir, mode))
+    logging.info("[jaxline_ng] Run record: %s", path)
+  return create_writer(config, mode)
+
+
 def _close(writer) -> None:
   if writer is not None:
     writer.close()
@@ -125,13 +135,13 @@ def _close(writer) -> None:
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
   checkpointer = checkpointer_factory(config, mode)
   if mode == "train":
-    writer = create_writer(config, "train")
+    writer = _writer_and_record(config, "train")
     try:
       train.train(experiment_class, config, checkpointer, writer)
     finally:
       _close(writer)
   elif mode == TRAIN_EVAL_MULTITHREADED:
-    writer, eval_writer = create_writer(config, "train"), create_writer(config, "eval")
+    writer, eval_writer = _writer_and_record(config, "train"), _writer_and_record(config, "eval")
     try:
       train.train_eval_multithreaded(
           experiment_class, config, checkpointer, writer, eval_writer=eval_writer)
@@ -146,7 +156,7 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
           "(config.checkpointer='memory') live in the training process. Use "
           f"--jaxline_mode={TRAIN_EVAL_MULTITHREADED}, or "
           "--config.eval_initial_weights to evaluate initial weights")
-    writer = create_writer(config, mode)
+    writer = _writer_and_record(config, mode)
     try:
       train.evaluate(experiment_class, config, checkpointer, writer, jaxline_mode=mode,
                      poll_interval_secs=config.eval_poll_interval_secs)
@@ -175,7 +185,7 @@ def main(experiment_class, argv: Sequence[str],
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     with preemption.stop_on_signals(), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
-  except base_config.ConfigError as e:
+  except (base_config.ConfigError, guards.NonFiniteError) as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
   except preemption.Preempted:
     raise SystemExit(preemption.EXIT_PREEMPTED) from None

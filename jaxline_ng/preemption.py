@@ -1,4 +1,4 @@
-"""Graceful stops: SIGTERM/SIGINT end training at a step boundary, saved.
+"""Graceful stops: SIGTERM/SIGINT or a time budget end training, saved.
 
 The first signal asks the run to stop: the training loop finishes the step
 in flight, `train` saves `latest`, waits for the save, flushes the writers,
@@ -14,6 +14,8 @@ periodic actions after each step as jaxline's loop does.
 import contextlib
 import signal
 import threading
+import time
+from typing import Optional
 
 from absl import logging
 
@@ -37,6 +39,12 @@ def request_stop(reason: str) -> None:
 
 def stop_requested() -> bool:
   return _stop_requested.is_set()
+
+
+def consume_stop_request() -> None:
+  """Marks the request served (the run it stopped has saved), so a later run in
+  this process starts afresh."""
+  _stop_requested.clear()
 
 
 def _on_signal(signum, frame) -> None:
@@ -77,10 +85,19 @@ class StopCheck:
   """A periodic action that raises `Preempted` once a stop was requested.
 
   Runs after the state already counts the finished step, so what `train`
-  saves next is exactly the state after that step.
+  saves next is exactly the state after that step. With `budget_secs`, it
+  also requests the stop itself once that much time has passed since it was
+  made (`config.wall_clock_budget_secs`).
   """
 
+  def __init__(self, budget_secs: Optional[float] = None):
+    self._budget_secs = budget_secs
+    self._deadline = None if budget_secs is None else time.monotonic() + budget_secs
+
   def __call__(self, t: float, step: int, scalars) -> None:
+    if self._deadline is not None and time.monotonic() >= self._deadline:
+      self._deadline = None
+      request_stop(f"the wall-clock budget of {self._budget_secs:g}s")
     if _stop_requested.is_set():
       raise Preempted(f"stopped by {_reason[0]} after step {step}")
 

@@ -5,7 +5,9 @@
 checkpoint once; `train_eval_multithreaded` runs both in one process.
 """
 
+import json
 import math
+import os
 import threading
 import time
 from typing import Any, Mapping, Optional, Sequence
@@ -17,10 +19,13 @@ from absl import logging
 from jaxline_ng import base_config
 from jaxline_ng import devices
 from jaxline_ng import experiment as experiment_lib
+from jaxline_ng import guards
 from jaxline_ng import multihost
 from jaxline_ng import periodic
 from jaxline_ng import preemption
+from jaxline_ng import profiling
 from jaxline_ng import rng
+from jaxline_ng import run_record
 
 # How often a separate eval job looks for a new checkpoint (jaxline's value).
 EVAL_POLL_SECS = 10.0
@@ -90,8 +95,12 @@ class _Telemetry:
     return "[jaxline_ng] " + ", ".join(parts) + (f" | {compact}" if compact else "")
 
 
-def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool):
-  """Logging to absl, writing scalars, and periodic checkpointing.
+def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
+                              guard: guards.NonFiniteGuard):
+  """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
+
+  Logging reads the guard's pending scalars on its own thread; a save reads
+  them first, on the loop's thread, so a non-finite state is never saved.
 
   Each action's interval continues from the `(time, step)` it last acted at
   in the restored run (`state.periodic_action_times`), so resuming does not
@@ -101,7 +110,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   restored_times = getattr(state, "periodic_action_times", None) or {}
   growth = config.periodic_action_growth_ratios
   logging_type = _interval_type(config, "logging_interval_type")
-  actions = {}
+  actions = {"non_finite_guard": guard}
 
   def last_acted(role, default_time):
     t, step = restored_times.get(role, (default_time, start_step))
@@ -110,6 +119,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   log_telemetry = _Telemetry(config.training_steps, now, start_step)
 
   def log_progress(t, step, scalars):
+    guard.check()
     values = host_scalars(scalars)
     logging.info(log_telemetry.progress_line(step, log_telemetry.steps_per_sec(t, step), values))
 
@@ -122,6 +132,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     write_telemetry = _Telemetry(config.training_steps, now, start_step)
 
     def write_scalars(t, step, scalars):
+      guard.check()
       values = host_scalars(scalars)
       steps_per_sec = write_telemetry.steps_per_sec(t, step)
       if steps_per_sec is not None:
@@ -135,7 +146,9 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
 
   def save_latest(t, step, scalars):
     del t, step, scalars
-    state.periodic_action_times = {role: action.last_acted for role, action in actions.items()}
+    guard.check()
+    state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
+                                   if isinstance(action, periodic.PeriodicAction)}
     checkpointer.save("latest")
 
   if save_checkpoints:
@@ -167,14 +180,24 @@ def train(experiment_class, config, checkpointer, writer,
         "train", init_rng=rng.seed_key(config.random_seed), **config.experiment_kwargs)
   state.train_step_rng = state.experiment_module.initialize_train_step_rng(
       config.random_seed, state)
+  run_config = json.dumps(run_record.flat_config(config), sort_keys=True)
   if checkpointer.can_be_restored("latest"):
     with experiment_lib.log_activity("checkpoint restore"):
       checkpointer.restore("latest")
+    _check_resumed_config(getattr(state, "run_config", None), run_config,
+                          config.strict_resume_config)
+  state.run_config = run_config
 
-  # --- Periodic actions: user's first, then logging and checkpointing. ---
+  # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
+  guard = guards.NonFiniteGuard(config.non_finite_policy)
   default_actions, save_latest = _default_periodic_actions(
-      config, checkpointer, writer, state, save_checkpoints)
-  actions = [*periodic_actions, *default_actions, preemption.StopCheck()]
+      config, checkpointer, writer, state, save_checkpoints, guard)
+  actions = [*periodic_actions, *default_actions,
+             preemption.StopCheck(config.wall_clock_budget_secs)]
+  if config.profile_steps:
+    actions.append(profiling.ProfileWindow(
+        *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
+        steps_completed=state.global_step))
   if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
     save_latest()
 
@@ -184,6 +207,7 @@ def train(experiment_class, config, checkpointer, writer,
     state.experiment_module.train_loop(config, state, actions, writer)
   except preemption.Preempted as e:
     logging.warning("[jaxline_ng] %s: saving and exiting.", e)
+    preemption.consume_stop_request()
     preempted = e
 
   # --- Wrap-up: log the final step, save it, wait for async work. ---
@@ -198,6 +222,21 @@ def train(experiment_class, config, checkpointer, writer,
   multihost.rendezvous("jaxline_ng_train_end")
   if preempted is not None:
     raise preempted
+
+
+def _check_resumed_config(saved: Optional[str], current: str, strict: bool) -> None:
+  """Logs (or, if `strict`, refuses) config keys that differ from the checkpoint's."""
+  if saved is None:
+    return
+  changed = run_record.differences(json.loads(saved), json.loads(current))
+  if not changed:
+    return
+  if strict:
+    raise base_config.ConfigError(
+        "config.strict_resume_config: the checkpoint was made with a different config: "
+        + "; ".join(changed))
+  logging.warning("[jaxline_ng] Resuming with a config that differs from the checkpoint's:\n  %s",
+                  "\n  ".join(changed))
 
 
 class _BestTracker:
@@ -220,6 +259,10 @@ class _BestTracker:
 
   def update(self, global_step: int, scalars: Mapping[str, Any]) -> None:
     value = float(scalars[self._metric])
+    if not math.isfinite(value):
+      logging.warning("[jaxline_ng] %s=%s at step %d is not finite: never the best.",
+                      self._metric, value, global_step)
+      return
     best = self._state.best_eval_metric_value
     # Strict comparisons: ties do not save, and NaN never does.
     improved = value > best if self._higher_is_better else value < best

@@ -181,3 +181,12 @@ def test_non_broadcast_attrs_restored_whole():
   run_eval(config, checkpointer, [10])
   state = checkpointer.get_experiment_state("latest")
   assert state.experiment_module._notes == {"mode": "train"}
+
+
+def test_infinite_metric_never_becomes_best():
+  Scripted.SCORES = {4: 0.5, 10: float("inf")}
+  config = make_config(best_model_eval_metric="metric/score", max_checkpoints_to_keep=10)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, [4, 10])
+  assert [s.pickle_nest["global_step"] for s in utils.GLOBAL_CHECKPOINT_DICT["best"].history] \
+      == [4]

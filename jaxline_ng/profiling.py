@@ -1,0 +1,61 @@
+"""A JAX profiler trace of a chosen window of training steps.
+
+`config.profile_steps = (first, stop)` traces the steps called with
+`global_step` first, first + 1, ..., stop - 1 into
+`<checkpoint_dir>/<mode>/profile` (open it with TensorBoard's profile
+plugin, or the `.trace.json.gz` in Perfetto). Each step is a
+`StepTraceAnnotation` named "train" with its `step_num`, so step boundaries
+show in the trace.
+"""
+
+import os
+from typing import Any
+
+import jax
+from absl import logging
+
+
+class ProfileWindow:
+  """Starts the trace before step `first` runs and stops it after step `stop - 1`.
+
+  Used as a periodic action: it is called after each step with the number of
+  steps completed, which is the `global_step` of the step about to run.
+  """
+
+  def __init__(self, first: int, stop: int, logdir: str, steps_completed: int):
+    self._first, self._stop, self._logdir = first, stop, logdir
+    self._active = False
+    if first <= steps_completed < stop:
+      self._start(steps_completed)
+
+  def _start(self, step: int) -> None:
+    os.makedirs(self._logdir, exist_ok=True)
+    jax.profiler.start_trace(self._logdir)
+    self._active = True
+    logging.info("[jaxline_ng] Profiling steps %d to %d into %s", step, self._stop - 1,
+                 self._logdir)
+
+  def _end(self, step: int, scalars: Any) -> None:
+    jax.block_until_ready(scalars)  # The window's device work belongs in the trace.
+    jax.profiler.stop_trace()
+    self._active = False
+    logging.info("[jaxline_ng] Profile of steps %d to %d written to %s "
+                 "(tensorboard --logdir %s, Profile tab)",
+                 self._first, step - 1, self._logdir, self._logdir)
+
+  def __call__(self, t: float, step: int, scalars: Any) -> None:
+    if self._active and step >= self._stop:
+      self._end(step, scalars)
+    elif not self._active and step == self._first:
+      self._start(step)
+
+  def finish(self) -> None:
+    """Stops a trace the run ended inside of."""
+    if self._active:
+      jax.profiler.stop_trace()
+      self._active = False
+      logging.info("[jaxline_ng] Profile (cut short by the end of training) written to %s",
+                   self._logdir)
+
+  def wait_to_finish(self) -> None:
+    pass

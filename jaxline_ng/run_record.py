@@ -1,0 +1,92 @@
+"""What a run was: `<checkpoint_dir>/<mode>/run.json`, and config drift on resume.
+
+The record holds the resolved config, the command line, versions of
+jaxline_ng / JAX / jaxlib, the devices and processes, and the git commit of
+the working directory (when it is a git checkout). Each checkpoint carries
+the flattened config it was made with (`ExperimentState.run_config`), so a
+resumed run can say which keys differ — or refuse, with
+`config.strict_resume_config`.
+"""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Optional
+
+import jax
+import jaxlib
+
+import jaxline_ng
+
+
+def flat_config(config) -> dict[str, Any]:
+  """The config as `{"dotted.key": value}`, values made JSON-safe (repr otherwise)."""
+  flat = {}
+
+  def visit(prefix: str, node: Any) -> None:
+    if hasattr(node, "items") and not isinstance(node, (str, bytes)):
+      for key, value in node.items():
+        visit(f"{prefix}.{key}" if prefix else str(key), value)
+      return
+    try:
+      json.dumps(node)
+      flat[prefix] = node
+    except (TypeError, ValueError):
+      flat[prefix] = repr(node)
+
+  visit("", config.to_dict() if hasattr(config, "to_dict") else config)
+  return flat
+
+
+def _git_commit(directory: str) -> Optional[dict[str, Any]]:
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True,
+                            text=True, timeout=5)
+    if commit.returncode != 0:
+      return None
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                            cwd=directory, capture_output=True, text=True, timeout=5)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def record(config, mode: str) -> dict[str, Any]:
+  devices = jax.devices()
+  kinds: dict[str, int] = {}
+  for device in devices:
+    kinds[device.device_kind] = kinds.get(device.device_kind, 0) + 1
+  return {
+      "mode": mode,
+      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "command_line": sys.argv,
+      "working_directory": os.getcwd(),
+      "git": _git_commit(os.getcwd()),
+      "versions": {"jaxline_ng": jaxline_ng.__version__, "jax": jax.__version__,
+                   "jaxlib": jaxlib.__version__, "python": sys.version.split()[0]},
+      "devices": {"backend": jax.default_backend(), "kinds": kinds,
+                  "global_count": len(devices), "local_count": jax.local_device_count()},
+      "processes": {"count": jax.process_count(), "index": jax.process_index()},
+      "config": flat_config(config),
+  }
+
+
+def write(config, mode: str, logdir: str) -> str:
+  """Writes `<logdir>/run.json` and returns its path."""
+  os.makedirs(logdir, exist_ok=True)
+  path = os.path.join(logdir, "run.json")
+  with open(path, "w") as f:
+    json.dump(record(config, mode), f, indent=2, sort_keys=True)
+  return path
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  """Lines `key: saved -> current` for every key whose value differs."""
+  lines = []
+  for key in sorted(set(saved) | set(current)):
+    before, after = saved.get(key, "<absent>"), current.get(key, "<absent>")
+    if before != after:
+      lines.append(f"{key}: {before!r} -> {after!r}")
+  return lines

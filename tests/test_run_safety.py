@@ -1,0 +1,183 @@
+"""Run safety and insight: non-finite guard, time budget, profile window, run record."""
+
+import glob
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from absl.testing import flagsaver
+
+from jaxline_ng import base_config, checkpointing, experiment, guards, platform, preemption
+from jaxline_ng import run_record, train, utils
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def fresh_checkpoints(monkeypatch):
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+
+
+class Exploding(experiment.AbstractExperiment):
+  """`loss` goes NaN from the step called with global_step == BAD_FROM."""
+  CHECKPOINT_ATTRS = {"_w": "w"}
+  BAD_FROM = 5
+  SLEEP = 0.0
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._w = utils.bcast_local_devices(jnp.zeros(()))
+    bad_from = self.BAD_FROM
+    self._update = jax.pmap(
+        lambda w, step: (w + 1.0, jnp.where(step >= bad_from, jnp.nan, 1.0 * step)),
+        axis_name="i")
+
+  def step(self, global_step, **unused):
+    if self.SLEEP:
+      time.sleep(self.SLEEP)
+    self._w, loss = self._update(self._w, global_step)
+    return {"loss": loss, "count": global_step}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+def make_config(**overrides):
+  config = base_config.get_base_config()
+  config.training_steps = 12
+  config.interval_type = "steps"
+  config.log_tensors_interval = 4
+  config.log_train_data_interval = None
+  config.save_checkpoint_interval = 1
+  config.max_checkpoints_to_keep = 100
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def run(config, cls=Exploding):
+  train.train(cls, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+
+
+def latest_step():
+  return utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest["global_step"]
+
+
+def test_halt_names_first_bad_step_and_keeps_last_finite_checkpoint():
+  with pytest.raises(guards.NonFiniteError, match=r"loss at step 6 \(the step called with "
+                                                  r"global_step=5\)"):
+    run(make_config())
+  assert latest_step() == 5
+  nest = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest
+  assert float(nest["experiment_module"]["w"]) == 5.0
+
+
+def test_halt_without_per_step_checkpoints_still_names_first_bad_step():
+  with pytest.raises(guards.NonFiniteError, match="at step 6 "):
+    run(make_config(save_checkpoint_interval=1000, log_tensors_interval=1000))
+  # Nothing after the bad step was saved: no final checkpoint either.
+  assert "latest" not in utils.GLOBAL_CHECKPOINT_DICT or \
+      not utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+
+
+def test_warn_continues_and_off_is_silent(caplog):
+  run(make_config(non_finite_policy="warn"))
+  assert latest_step() == 12
+  assert "non-finite training scalars loss at step 6" in caplog.text
+  caplog.clear()
+  utils.GLOBAL_CHECKPOINT_DICT.clear()
+  run(make_config(non_finite_policy="off"))
+  assert latest_step() == 12 and "non-finite" not in caplog.text
+
+
+def test_non_finite_error_is_a_one_line_exit_from_the_platform(tmp_path):
+  config = make_config(checkpoint_dir=str(tmp_path))
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    with pytest.raises(SystemExit, match="jaxline_ng: error: non-finite training scalars"):
+      platform.main(Exploding, [])
+
+
+class Finite(Exploding):
+  BAD_FROM = 10**9
+
+
+class Slow(Finite):
+  SLEEP = 0.05
+
+
+def test_wall_clock_budget_stops_saved_and_resume_continues():
+  config = make_config(training_steps=1000, save_checkpoint_interval=1000,
+                       wall_clock_budget_secs=0.6)
+  start = time.monotonic()
+  with pytest.raises(preemption.Preempted, match="wall-clock budget of 0.6s"):
+    run(config, Slow)
+  assert time.monotonic() - start < 10
+  stopped_at = latest_step()
+  assert 0 < stopped_at < 1000
+  config.wall_clock_budget_secs = None
+  config.training_steps = stopped_at + 3
+  run(config, Slow)
+  assert latest_step() == stopped_at + 3
+
+
+def test_wall_clock_budget_exit_code_from_the_command_line(tmp_path):
+  toy = os.path.join("tests", "experiments", "toy.py")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  result = subprocess.run(
+      [sys.executable, toy, f"--config={toy}", f"--config.checkpoint_dir={tmp_path}",
+       "--config.training_steps=100000000", "--config.wall_clock_budget_secs=2"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == preemption.EXIT_PREEMPTED == 75, result.stderr[-2000:]
+  assert "stopped by the wall-clock budget of 2s after step" in result.stderr
+  assert "Saved in-memory checkpoint latest" in result.stderr
+
+
+def test_profile_window_traces_exactly_the_chosen_steps(tmp_path):
+  run(make_config(checkpoint_dir=str(tmp_path), profile_steps=(3, 6), training_steps=10), Finite)
+  traces = glob.glob(str(tmp_path / "train" / "profile" / "plugins" / "profile" / "*" /
+                         "*.trace.json.gz"))
+  assert len(traces) == 1  # One trace session, for the window only.
+  with gzip.open(traces[0]) as f:
+    events = json.load(f)["traceEvents"]
+  steps = {int(e["args"]["step_num"]) for e in events
+           if e.get("name") == "train" and "step_num" in e.get("args", {})}
+  assert steps == {3, 4, 5}
+
+
+def test_run_record_contents(tmp_path):
+  config = make_config(checkpoint_dir=str(tmp_path), non_finite_policy="off")
+  config.my_key = "kept"
+  path = run_record.write(config, "train", str(tmp_path / "train"))
+  with open(path) as f:
+    record = json.load(f)
+  assert record["config"]["my_key"] == "kept"
+  assert record["config"]["training_steps"] == 12
+  assert record["versions"]["jax"] == jax.__version__
+  assert record["devices"]["local_count"] == jax.local_device_count()
+  assert record["processes"] == {"count": 1, "index": 0}
+  assert record["command_line"] == sys.argv
+  assert set(record) >= {"git", "started", "working_directory", "mode"}
+
+
+def test_platform_writes_run_record(tmp_path):
+  config = make_config(checkpoint_dir=str(tmp_path), non_finite_policy="off", training_steps=2)
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    platform.main(Exploding, [])
+  with open(tmp_path / "train" / "run.json") as f:
+    assert json.load(f)["config"]["non_finite_policy"] == "off"
+
+
+def test_resume_with_different_config_warns_or_refuses(caplog):
+  run(make_config(non_finite_policy="off", training_steps=3))
+  run(make_config(non_finite_policy="off", training_steps=5, log_tensors_interval=2))
+  assert "log_tensors_interval: 4 -> 2" in caplog.text
+  assert "training_steps: 3 -> 5" in caplog.text
+  with pytest.raises(base_config.ConfigError, match="strict_resume_config.*training_steps"):
+    run(make_config(non_finite_policy="off", training_steps=7, strict_resume_config=True))
