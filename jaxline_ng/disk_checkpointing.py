@@ -22,7 +22,7 @@ optax states, haiku dicts), and plain Python values from JSON. A newest
 checkpoint that fails to load is reported and the one before it is used.
 """
 
-import json
+import logging as python_logging
 import os
 import threading
 from typing import Any, Optional
@@ -36,6 +36,15 @@ from jaxline_ng import checkpointing
 from jaxline_ng import multihost
 
 _PLAIN_VALUES = (bool, int, float, str)
+
+
+def _drop_orbax_info(record: python_logging.LogRecord) -> bool:
+  """Orbax logs each phase of every save at INFO; jaxline_ng logs saves itself."""
+  return record.levelno >= python_logging.WARNING or \
+      f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+logging.get_absl_logger().addFilter(_drop_orbax_info)
 
 
 class CheckpointFormatError(TypeError):
@@ -162,11 +171,13 @@ class DiskCheckpointer:
 
   def __init__(self, config, mode: str):
     del mode  # Train and eval processes share the series.
-    root = os.path.join(config.checkpoint_dir, "checkpoints")
+    # Every process restores the chief's checkpoints (a shared filesystem is
+    # assumed), so all resume at the same step. Processes that save besides
+    # the chief (*_checkpoint_all_hosts) each write to a tree of their own.
+    self._read_root = os.path.join(config.checkpoint_dir, "checkpoints")
+    self._root = self._read_root
     if not multihost.is_chief():
-      # With *_checkpoint_all_hosts every process saves, each into its own tree.
-      root = os.path.join(root, f"process_{jax.process_index()}")
-    self._root = root
+      self._root = os.path.join(self._read_root, f"process_{jax.process_index()}")
     self._max_to_keep = config.max_checkpoints_to_keep
     self._restore_path = config.restore_path
     self._live = threading.local()
@@ -212,7 +223,7 @@ class DiskCheckpointer:
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
-    series_dir = self._series_dir(ckpt_series)
+    series_dir = os.path.join(self._read_root, ckpt_series)
     paths = [os.path.join(series_dir, str(step)) for step in reversed(_steps(series_dir))]
     if not paths and ckpt_series == "latest" and self._restore_path:
       steps = _steps(self._restore_path)
@@ -229,7 +240,7 @@ class DiskCheckpointer:
 
   def restore(self, ckpt_series: str) -> None:
     state = self.get_experiment_state(ckpt_series)
-    fresh_run = not _steps(self._series_dir(ckpt_series))
+    fresh_run = not _steps(os.path.join(self._read_root, ckpt_series))
     failures = []
     for path in self._candidates(ckpt_series):
       try:

@@ -1,7 +1,78 @@
-"""Process-level coordination: who is chief, and barriers between processes."""
+"""Multi-process runs: starting JAX's distributed runtime, and helpers for them.
+
+A run spans several processes when `--jaxline_num_processes` (or the
+`JAX_NUM_PROCESSES` environment variable) is above 1, or when
+`--jaxline_distributed` asks JAX to detect a cluster (SLURM, Open MPI,
+Kubernetes, Cloud TPU). `platform.main` then calls `jax.distributed.initialize`
+before anything touches a device. Locally, `python -m jaxline_ng.launch` starts
+the processes and sets the environment for them.
+
+Within a run, `jax.local_devices()` are this process's devices; a pmap maps
+over them and its collectives (`psum`, `pmean`) reduce over every process's
+devices. Process 0 is the chief: it writes summaries and checkpoints unless a
+`*_all_hosts` config key says otherwise.
+"""
+
+import os
+from typing import Any
 
 import jax
+import numpy as np
+from absl import flags, logging
 from jax.experimental import multihost_utils
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value else None
+
+
+_COORDINATOR = flags.DEFINE_string(
+    "jaxline_coordinator_address", os.environ.get("JAX_COORDINATOR_ADDRESS"),
+    "host:port of process 0's coordinator (default: $JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "jaxline_num_processes", _env_int("JAX_NUM_PROCESSES"),
+    "Processes in the run (default: $JAX_NUM_PROCESSES); above 1 starts JAX's "
+    "distributed runtime.")
+_PROCESS_ID = flags.DEFINE_integer(
+    "jaxline_process_id", _env_int("JAX_PROCESS_ID"),
+    "This process's index, 0 to num_processes - 1 (default: $JAX_PROCESS_ID).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "jaxline_distributed", False,
+    "Start JAX's distributed runtime with what JAX detects from the cluster "
+    "(SLURM, Open MPI, Kubernetes, Cloud TPU); flags above override it.")
+
+
+class MultihostError(RuntimeError):
+  """The distributed runtime could not start; the message names the flag."""
+
+
+def initialize_if_requested() -> bool:
+  """Calls `jax.distributed.initialize` when the flags ask for a multi-process run.
+
+  Must run before any JAX device is touched. Returns whether it initialised.
+  """
+  num_processes = _NUM_PROCESSES.value
+  if not _DISTRIBUTED.value and (num_processes is None or num_processes <= 1):
+    return False
+  if not _DISTRIBUTED.value:
+    if not _COORDINATOR.value:
+      raise MultihostError(
+          f"--jaxline_num_processes={num_processes} needs --jaxline_coordinator_address "
+          "(or $JAX_COORDINATOR_ADDRESS)")
+    if _PROCESS_ID.value is None or not 0 <= _PROCESS_ID.value < num_processes:
+      raise MultihostError(
+          f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "
+          "(or set $JAX_PROCESS_ID)")
+  try:
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=num_processes, process_id=_PROCESS_ID.value)
+  except (RuntimeError, ValueError) as e:
+    raise MultihostError(f"jax.distributed.initialize failed: {e}") from None
+  logging.info("[jaxline_ng] Process %d of %d; %d local devices of %d.",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return True
 
 
 def is_chief() -> bool:
@@ -13,3 +84,53 @@ def rendezvous(name: str = "jaxline_ng") -> None:
   """Blocks until every process reaches this point (a no-op with one process)."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+barrier = rendezvous
+
+
+def host_slice(global_rows: Any) -> Any:
+  """This process's share of arrays whose leading axis spans every device.
+
+  For a global batch of `jax.device_count() * k` rows (or `jax.device_count()`
+  per-device groups) each process keeps its contiguous `1 / process_count`;
+  processes then load only their own data. Raises ValueError if the leading
+  axis does not split evenly.
+  """
+  count, index = jax.process_count(), jax.process_index()
+
+  def take(rows):
+    rows = np.asarray(rows)
+    share, remainder = divmod(rows.shape[0], count)
+    if remainder:
+      raise ValueError(f"host_slice: {rows.shape[0]} rows do not split over {count} processes")
+    return rows[index * share:(index + 1) * share]
+
+  return jax.tree.map(take, global_rows)
+
+
+def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
+  """Assembles per-process data into global `jax.Array`s sharded by `spec` over `mesh`.
+
+  Each process passes its own rows (e.g. from `host_slice`); the result is one
+  global array, for jit / shard_map code (pmap code passes local arrays).
+  """
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  return jax.tree.map(
+      lambda rows: jax.make_array_from_process_local_data(sharding, np.asarray(rows)),
+      local_batch)
+
+
+def broadcast_from_chief(tree: Any) -> Any:
+  """Process 0's value of `tree` on every process (e.g. a seed or a file list)."""
+  if jax.process_count() == 1:
+    return tree
+  return multihost_utils.broadcast_one_to_all(tree)
+
+
+def all_reduce_sum(tree: Any) -> Any:
+  """The sum over processes of each process's host values (numpy arrays or numbers)."""
+  if jax.process_count() == 1:
+    return jax.tree.map(np.asarray, tree)
+  gathered = multihost_utils.process_allgather(tree)
+  return jax.tree.map(lambda x: np.asarray(x).sum(axis=0), gathered)

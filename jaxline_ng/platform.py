@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -95,14 +96,17 @@ def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:
 def create_writer(config, mode: str):
   """A TensorBoard + JSONL writer for `<checkpoint_dir>/<mode>`, or None.
 
-  Only the chief process writes unless `config.log_all_hosts`. Writes go
+  Only the chief process writes unless `config.log_all_hosts`; other
+  processes then write to `<checkpoint_dir>/<mode>/process_<i>`. Writes go
   through a background thread when `config.log_async`.
   """
   if not (multihost.is_chief() or config.log_all_hosts):
     return None
   from jaxline_ng import writers  # Deferred: keeps `import platform` light.
-  return writers.make_writer(os.path.join(config.checkpoint_dir, mode),
-                             use_async=config.log_async)
+  logdir = os.path.join(config.checkpoint_dir, mode)
+  if not multihost.is_chief():
+    logdir = os.path.join(logdir, f"process_{jax.process_index()}")
+  return writers.make_writer(logdir, use_async=config.log_async)
 
 
 def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
@@ -180,12 +184,32 @@ def main(experiment_class, argv: Sequence[str],
     raise SystemExit("jaxline_ng: error: --config is required (a config file: path.py[:arg])")
   mode = _MODE.value
   try:
+    multihost.initialize_if_requested()
     base_config.validate_config(config)
     check_mode(mode)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     with preemption.stop_on_signals(), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
-  except (base_config.ConfigError, guards.NonFiniteError) as e:
+  except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError) as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
   except preemption.Preempted:
     raise SystemExit(preemption.EXIT_PREEMPTED) from None
+  except Exception:  # pylint: disable=broad-except
+    if jax.process_count() > 1:
+      _exit_now_on_failure()
+    raise
+
+
+def _exit_now_on_failure() -> None:
+  """Ends a failed process of a multi-process run without a graceful shutdown.
+
+  JAX's distributed shutdown at interpreter exit waits for every process, and
+  the others are blocked in a collective waiting for this one: exiting
+  normally would hang the whole run. The writers were closed on the way out.
+  """
+  logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
+                    jax.process_index())
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access

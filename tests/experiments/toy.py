@@ -1,8 +1,10 @@
 """A tiny experiment for end-to-end tests: `python tests/experiments/toy.py --config=tests/experiments/toy.py`.
 
 Its parameters are a vector pulled towards a target by data-parallel SGD; the
-step's data is a function of the step number, so runs are reproducible.
-Config arguments: `:fail_at_step` makes step 3 raise (crash propagation).
+step's data is a function of the step number, so runs are reproducible. Each
+process takes its slice of a global batch, so 1 process x 4 devices and 2
+processes x 2 devices train on the same data. Config arguments:
+`:fail_at_step` makes step 3 raise (crash propagation).
 """
 
 import functools
@@ -13,7 +15,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_dict
 
-from jaxline_ng import base_config, experiment, platform, utils
+from jaxline_ng import base_config, experiment, multihost, platform, utils
+from jaxline_ng import rng as rng_lib
 
 
 def get_config(arg: str = ""):
@@ -30,6 +33,8 @@ def get_config(arg: str = ""):
       learning_rate=learning_rate,
       dim=3,
       fail_at_step=3 if arg == "fail_at_step" else -1,
+      fail_on_process=-1,  # With fail_at_step: only this process fails (-1: all).
+      record_keys_dir="",  # Save each process's first step keys, and every mode's, here.
   )))
   config.lock()
   return config
@@ -57,14 +62,19 @@ class Experiment(experiment.AbstractExperiment):
         donate_argnums=0)
 
   def _batch(self, step: int):
-    num_devices = jax.local_device_count()
-    rows = np.random.default_rng(step).normal(1.0, 0.1, (num_devices, 8, self.config.dim))
-    return rows.astype(np.float32)
+    rows = np.random.default_rng(step).normal(1.0, 0.1, (jax.device_count(), 8, self.config.dim))
+    return multihost.host_slice(rows.astype(np.float32))
 
   def step(self, global_step, rng, writer):
     step = int(utils.get_first(global_step))
-    if step == self.config.fail_at_step:
+    if step == self.config.fail_at_step and self.config.fail_on_process in (
+        -1, jax.process_index()):
       raise RuntimeError(f"toy experiment fails at step {step}")
+    if step == 0 and self.config.record_keys_dir:
+      keys = {"step": np.asarray(rng)}
+      for mode in rng_lib.RANDOM_MODES:
+        keys[mode] = np.asarray(rng_lib.per_device_keys(rng_lib.seed_key(0), mode))
+      np.savez(f"{self.config.record_keys_dir}/keys_p{jax.process_index()}.npz", **keys)
     self._params, loss = self._update(self._params, self._batch(step))
     return {"loss": utils.get_first(loss)}
 

@@ -1,0 +1,113 @@
+"""Multi-process runs: real processes on loopback, started by jaxline_ng.launch.
+
+Each case launches 2 processes x 2 fake CPU devices; the reference is one
+process with 4 devices training on the same global batch.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxline_ng import multihost
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join("tests", "experiments", "toy.py")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+
+
+def toy(checkpoint_dir, *extra):
+  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
+          "--config.checkpointer=disk", *extra]
+
+
+def launch(command, timeout=180):
+  return subprocess.run([sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
+                         "--devices_per_process=2", "--", *command],
+                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def single_process(command, devices=4):
+  env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=180, check=True)
+
+
+def final_params(checkpoint_dir):
+  series = os.path.join(checkpoint_dir, "checkpoints", "latest")
+  newest = max(int(n) for n in os.listdir(series) if n.isdigit())
+  restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+      os.path.join(series, str(newest)),
+      args=ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+  entries = restored["meta"]["entries"]
+  key = entries["experiment_module/params"]["leaves"][0]["array"]
+  return newest, restored["arrays"][key]
+
+
+def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_path):
+  run_dir = tmp_path / "multi"
+  result = launch(toy(run_dir, "--config.training_steps=20",
+                      f"--config.experiment_kwargs.config.record_keys_dir={tmp_path}"))
+  assert result.returncode == 0, result.stdout[-4000:]
+  single_process(toy(tmp_path / "single", "--config.training_steps=20"))
+  multi_step, multi = final_params(run_dir)
+  single_step, single = final_params(tmp_path / "single")
+  assert multi_step == single_step == 20
+  np.testing.assert_allclose(multi, single, rtol=1e-6)
+
+  # Only process 0 wrote summaries, a run record and checkpoints.
+  assert sorted(os.listdir(run_dir)) == ["checkpoints", "train"]
+  assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest"]
+  assert "process_1" not in os.listdir(run_dir / "train")
+
+  # Keys differ or match across processes and devices as each random mode says.
+  keys = [np.load(tmp_path / f"keys_p{i}.npz") for i in range(2)]
+  for mode, (hosts_differ, devices_differ) in {
+      "unique_host_unique_device": (True, True), "unique_host_same_device": (True, False),
+      "same_host_unique_device": (False, True), "same_host_same_device": (False, False)}.items():
+    assert (not np.array_equal(keys[0][mode], keys[1][mode])) == hosts_differ, mode
+    assert (not np.array_equal(keys[0][mode][0], keys[0][mode][1])) == devices_differ, mode
+  # The loop's step keys follow random_mode_train (unique_host_unique_device).
+  all_step_keys = {tuple(k) for p in keys for k in p["step"]}
+  assert len(all_step_keys) == 4
+
+  # Both processes restore the same step; with log_all_hosts both write.
+  resumed = launch(toy(run_dir, "--config.training_steps=25", "--config.log_all_hosts"))
+  assert resumed.returncode == 0, resumed.stdout[-4000:]
+  restored = [line for line in resumed.stdout.splitlines() if "Restored checkpoint" in line]
+  assert sorted(line.split()[0] for line in restored) == ["[p0]", "[p1]"]
+  assert all(line.rstrip(".").endswith(os.path.join("latest", "20")) for line in restored)
+  for path in (run_dir / "train" / "metrics.jsonl",
+               run_dir / "train" / "process_1" / "metrics.jsonl"):
+    with open(path) as f:
+      assert json.loads(f.readlines()[-1])["step"] == 25
+
+
+def test_a_dying_process_fails_the_launch_fast_with_its_error(tmp_path):
+  result = launch(toy(tmp_path, "--config.training_steps=1000",
+                      "--config.experiment_kwargs.config.fail_at_step=3",
+                      "--config.experiment_kwargs.config.fail_on_process=1"), timeout=120)
+  assert result.returncode != 0
+  assert any(line.startswith("[p1]") and "toy experiment fails at step 3" in line
+             for line in result.stdout.splitlines())
+  assert "[launch] process 1 failed" in result.stdout
+
+
+def test_host_slice_takes_this_process_share(monkeypatch):
+  rows = np.arange(8)
+  np.testing.assert_array_equal(multihost.host_slice(rows), rows)
+  monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost.jax, "process_index", lambda: 1)
+  np.testing.assert_array_equal(multihost.host_slice({"x": rows})["x"], [4, 5, 6, 7])
+  with pytest.raises(ValueError, match="3 rows do not split over 2 processes"):
+    multihost.host_slice(np.arange(3))
+
+
+def test_single_process_helpers_are_identities():
+  assert multihost.broadcast_from_chief({"a": 1}) == {"a": 1}
+  assert multihost.all_reduce_sum({"n": 3})["n"] == 3
+  multihost.barrier("noop")
