@@ -1,0 +1,431 @@
+"""Metric writers: TensorBoard, JSON lines, fan-out, and a background writer.
+
+A run logs through `make_writer`, which returns an `AsyncWriter` around
+TensorBoard and JSONL sinks. The training loop only enqueues: converting
+device arrays to host memory, importing TensorFlow and touching the disk all
+happen on one background thread, while a bounded queue keeps a slow disk
+from growing memory without limit. Failures of that thread surface on the
+training thread at its next call, and queued data is written out at normal
+interpreter exit.
+"""
+
+import atexit
+import json
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+# Enough to absorb a slow flush without stalling training, while the device
+# buffers referenced by queued writes stay negligible.
+_DEFAULT_MAX_QUEUE_SIZE = 128
+
+# JsonlWriter writes buffered lines out once they exceed this many bytes.
+_JSONL_BUFFER_BYTES = 1 << 16
+
+# How often a caller waiting on the worker checks that it is still running;
+# it only matters if `close` raced with that caller.
+_LIVENESS_POLL_SECONDS = 1.0
+
+# AsyncWriter operations other than the `write_*` methods.
+_FLUSH = "flush"
+_CLOSE = "close"
+
+
+class Writer(Protocol):
+  """Sink for metrics, keyed by training step.
+
+  Values may be Python numbers, NumPy arrays or scalars, or `jax.Array`s
+  (possibly still being computed). Names may contain `/`, e.g. `score/eval`.
+  """
+
+  def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
+    """Writes scalars: 0-d values or arrays of shape [1]."""
+
+  def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
+    """Writes images of shape [H, W], [H, W, C] or [B, H, W, C].
+
+    Pixels are floats in [0, 1] or uint8; C is 1, 3 or 4.
+    """
+
+  def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
+    """Writes a histogram of each array's elements."""
+
+  def write_texts(self, global_step: int, texts: Mapping[str, str]) -> None:
+    """Writes text (TensorBoard renders it as Markdown)."""
+
+  def flush(self) -> None:
+    """Returns once everything written so far is on disk."""
+
+  def close(self) -> None:
+    """Flushes and releases resources; calling it again has no effect."""
+
+
+class WriterError(RuntimeError):
+  """A background write failed; `__cause__` is the original exception."""
+
+
+def _to_number(value: Any) -> int | float:
+  """A scalar metric as a Python number: integers stay int, all else float."""
+  array = np.asarray(value)
+  if array.size != 1:
+    raise ValueError(f"Expected a scalar or shape [1], got shape {array.shape}.")
+  array = array.reshape(())
+  return int(array) if np.issubdtype(array.dtype, np.integer) else float(array)
+
+
+def _to_image_batch(value: Any) -> np.ndarray:
+  """An image or image batch as the [B, H, W, C] array TensorBoard expects."""
+  image = np.asarray(value)
+  match image.ndim:
+    case 2:
+      return image[None, :, :, None]
+    case 3:
+      return image[None]
+    case 4:
+      return image
+  raise ValueError(f"Expected an image of shape [H, W], [H, W, C] or [B, H, W, C], got "
+                   f"shape {image.shape}.")
+
+
+class TensorBoardWriter:
+  """Writes TensorBoard event files with `tf.summary`, synchronously.
+
+  TensorFlow is imported and the event file created at the first write, so
+  constructing this writer is free. Events are flushed on `flush()` and
+  `close()` only (TensorFlow may still write them through earlier).
+  """
+
+  def __init__(self, logdir: str):
+    # The first write may come at interpreter exit (see AsyncWriter). The
+    # TensorFlow import then loads these modules, whose import registers a
+    # threading exit hook, which Python refuses once shutdown has begun.
+    import concurrent.futures.process  # noqa: F401
+    import concurrent.futures.thread  # noqa: F401
+
+    self._logdir = logdir
+    self._tf: Any = None
+    self._writer: Any = None
+    self._closed = False
+
+  def _at_step(self, global_step: int) -> Any:
+    """A context in which `tf.summary` ops write to this log at `global_step`."""
+    if self._closed:
+      raise ValueError(f"TensorBoardWriter({self._logdir!r}) is closed.")
+    if self._writer is None:
+      import tensorflow as tf
+
+      try:
+        # TensorFlow must not claim GPU memory that JAX needs.
+        tf.config.set_visible_devices([], "GPU")
+      except RuntimeError:
+        pass  # The TF runtime is already initialised; its devices are fixed.
+      # TF reports a bad logdir as an op failure; this gives a plain OSError.
+      os.makedirs(self._logdir, exist_ok=True)
+      self._writer = tf.summary.create_file_writer(self._logdir)
+      self._tf = tf
+    return self._writer.as_default(step=int(global_step))
+
+  def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
+    with self._at_step(global_step):
+      for name, value in scalars.items():
+        # TensorBoard stores scalars as float32.
+        self._tf.summary.scalar(name, _to_number(value))
+
+  def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
+    with self._at_step(global_step):
+      for name, value in images.items():
+        batch = _to_image_batch(value)
+        self._tf.summary.image(name, batch, max_outputs=batch.shape[0])
+
+  def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
+    with self._at_step(global_step):
+      for name, value in values.items():
+        self._tf.summary.histogram(name, np.asarray(value))
+
+  def write_texts(self, global_step: int, texts: Mapping[str, str]) -> None:
+    with self._at_step(global_step):
+      for name, text in texts.items():
+        self._tf.summary.text(name, text)
+
+  def flush(self) -> None:
+    if self._writer is not None:
+      self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+    self._closed = True
+
+
+class JsonlWriter:
+  """Appends one JSON object per `write_scalars` call to a file, synchronously.
+
+  Each line is `{"step": <int>, "<name>": <number>, ...}`. Integer values stay
+  integers, all others become floats; NaN and infinities are written as
+  `NaN`, `Infinity` and `-Infinity`, as Python's `json` does: Python and
+  pandas read them back, strict RFC 8259 parsers reject them. Lines are kept
+  in memory and reach the file only whole, on `flush()`, `close()` or when
+  `_JSONL_BUFFER_BYTES` have accumulated. The file and its parent directories
+  are created at the first write. Images, histograms and texts are ignored.
+  """
+
+  def __init__(self, path: str):
+    self._path = path
+    self._file: Any = None
+    self._lines: list[bytes] = []
+    self._buffered_bytes = 0
+    self._closed = False
+
+  def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
+    if self._closed:
+      raise ValueError(f"JsonlWriter({self._path!r}) is closed.")
+    if "step" in scalars:
+      raise ValueError('"step" is reserved for the global step in JSONL rows.')
+    if self._file is None:
+      # Opened here, not at flush, so a bad path fails the first write.
+      os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
+      self._file = open(self._path, "ab")
+    row = {"step": int(global_step)}
+    row.update((name, _to_number(value)) for name, value in scalars.items())
+    line = (json.dumps(row) + "\n").encode()
+    self._lines.append(line)
+    self._buffered_bytes += len(line)
+    if self._buffered_bytes >= _JSONL_BUFFER_BYTES:
+      self.flush()
+
+  def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
+    del global_step, images
+
+  def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
+    del global_step, values
+
+  def write_texts(self, global_step: int, texts: Mapping[str, str]) -> None:
+    del global_step, texts
+
+  def flush(self) -> None:
+    if not self._lines:
+      return
+    data = b"".join(self._lines)
+    # Dropped before writing: if the write fails part-way, retrying the same
+    # lines would leave a torn line followed by duplicates.
+    self._lines.clear()
+    self._buffered_bytes = 0
+    self._file.write(data)
+    self._file.flush()
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    if self._file is not None:
+      try:
+        self.flush()
+      finally:
+        self._file.close()
+
+
+class MultiWriter:
+  """Forwards every call to each of several writers, in order.
+
+  Every writer is called even if an earlier one raises, so one broken sink
+  neither starves the others nor keeps them open; the first exception is
+  then re-raised, with the others attached as notes.
+  """
+
+  def __init__(self, writers: Sequence[Writer]):
+    self._writers = tuple(writers)
+
+  def _call_all(self, method: str, *args: Any) -> None:
+    errors = []
+    for writer in self._writers:
+      try:
+        getattr(writer, method)(*args)
+      except Exception as e:
+        errors.append(e)
+    if errors:
+      for other in errors[1:]:
+        errors[0].add_note(f"Another writer also failed: {other!r}")
+      raise errors[0]
+
+  def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
+    self._call_all("write_scalars", global_step, scalars)
+
+  def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
+    self._call_all("write_images", global_step, images)
+
+  def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
+    self._call_all("write_histograms", global_step, values)
+
+  def write_texts(self, global_step: int, texts: Mapping[str, str]) -> None:
+    self._call_all("write_texts", global_step, texts)
+
+  def flush(self) -> None:
+    self._call_all("flush")
+
+  def close(self) -> None:
+    self._call_all("close")
+
+
+class AsyncWriter:
+  """Runs a synchronous writer on one background thread.
+
+  The calling thread only enqueues (a shallow copy of the mapping: NumPy
+  arrays passed in must not be mutated afterwards). The single worker thread
+  moves values to host memory with `jax.device_get` and calls the wrapped
+  writer, so writes land in call order. Once `max_queue_size` writes are
+  pending, writing blocks until the worker catches up.
+
+  If the wrapped writer raises, this writer is failed for good: later writes
+  are dropped, and every later `write_*`, `flush` and `close` raises a
+  `WriterError` whose `__cause__` is the original exception.
+
+  Queued writes reach disk at normal interpreter exit: `close` is registered
+  with `atexit`, so it runs once all non-daemon threads are done writing.
+  Before that, as the main thread ends, everything queued so far is written
+  out, because the first write may import TensorFlow, and libraries it
+  loads (h5py) crash the interpreter if imported during `atexit`.
+
+  Threads hand over work only through `queue.SimpleQueue`, whose `put` is
+  re-entrant, so `close` may run in a signal handler that interrupted the
+  training thread mid-write. A write racing with `close` may be dropped.
+  """
+
+  def __init__(self, writer: Writer, *, max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE):
+    if max_queue_size < 1:
+      raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}.")
+    self._writer = writer
+    # Items are (method name, (global_step, values)), (_FLUSH, reply queue)
+    # or (_CLOSE, None).
+    self._ops: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+    # One token per write allowed to be pending: a write takes one, the
+    # worker gives it back once that write is done.
+    self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()
+    for _ in range(max_queue_size):
+      self._slots.put(None)
+    self._error: BaseException | None = None
+    self._closed = False
+    # A daemon, as non-daemon threads are joined before `atexit` handlers
+    # run, i.e. before `close` could tell this one to stop.
+    self._thread = threading.Thread(target=self._work, name="jaxline_ng-writer", daemon=True)
+    self._thread.start()
+    atexit.register(self.close)
+    # CPython's hook for work due as the main thread finishes, before
+    # `atexit` (see above). It cannot be unregistered, so it refers to the
+    # writer weakly, letting a closed writer be garbage-collected.
+    threading._register_atexit(_drain_if_alive, weakref.ref(self))
+
+  def _work(self) -> None:
+    while True:
+      op, payload = self._ops.get()
+      try:
+        if op == _CLOSE:
+          self._writer.close()  # Even after a failure, to release files.
+        elif self._error is not None:
+          pass  # Failed for good: drop, but keep draining the queue.
+        elif op == _FLUSH:
+          self._writer.flush()
+        else:
+          global_step, values = jax.device_get(payload)
+          getattr(self._writer, op)(int(global_step), values)
+      except BaseException as e:
+        if self._error is None:
+          self._error = e
+      if op == _CLOSE:
+        return
+      if op == _FLUSH:
+        payload.put(None)
+      else:
+        self._slots.put(None)
+
+  def _wait_for_worker(self, replies: queue.SimpleQueue[None]) -> None:
+    """Takes an item from `replies`, or returns once the worker has exited.
+
+    The worker exits only after `close` wrote everything queued before it;
+    an op queued after that (a race with `close`) is never answered.
+    """
+    while self._thread.is_alive():
+      try:
+        replies.get(timeout=_LIVENESS_POLL_SECONDS)
+        return
+      except queue.Empty:
+        pass
+
+  def _raise_if_failed(self) -> None:
+    if self._error is not None:
+      raise WriterError(f"Background metric writing failed: {self._error!r}") from self._error
+
+  def _check_writable(self) -> None:
+    if self._closed:
+      raise ValueError("Cannot write to a closed AsyncWriter.")
+    self._raise_if_failed()
+
+  def _submit(self, method: str, global_step: int, values: Mapping[str, Any]) -> None:
+    self._check_writable()
+    self._wait_for_worker(self._slots)  # Back-pressure: blocks while full.
+    self._check_writable()  # `close` may have run while this call waited.
+    self._ops.put((method, (global_step, dict(values))))
+
+  def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
+    self._submit("write_scalars", global_step, scalars)
+
+  def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
+    self._submit("write_images", global_step, images)
+
+  def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
+    self._submit("write_histograms", global_step, values)
+
+  def write_texts(self, global_step: int, texts: Mapping[str, str]) -> None:
+    self._submit("write_texts", global_step, texts)
+
+  def _drain(self) -> None:
+    """Blocks until the worker has handled (and flushed) all queued ops."""
+    if not self._closed:
+      replies: queue.SimpleQueue[None] = queue.SimpleQueue()
+      self._ops.put((_FLUSH, replies))
+      self._wait_for_worker(replies)
+
+  def flush(self) -> None:
+    """Blocks until every earlier write is on disk.
+
+    Once closed, everything is on disk already, so this only re-raises a
+    failure.
+    """
+    self._drain()
+    self._raise_if_failed()
+
+  def close(self) -> None:
+    """Writes out everything queued, closes the wrapped writer, stops."""
+    if not self._closed:
+      self._closed = True
+      atexit.unregister(self.close)
+      self._ops.put((_CLOSE, None))
+      self._thread.join()
+    self._raise_if_failed()
+
+
+def _drain_if_alive(writer_ref: "weakref.ref[AsyncWriter]") -> None:
+  """Threading exit hook: drains the writer; failures are left to `close`."""
+  writer = writer_ref()
+  if writer is not None:
+    writer._drain()
+
+
+def make_writer(logdir: str, *, use_async: bool = True) -> Writer:
+  """The writer a run logs through: TensorBoard plus `metrics.jsonl`.
+
+  Both go to `logdir`. With `use_async`, they run behind an `AsyncWriter`.
+  Construction does no I/O and does not import TensorFlow; a bad `logdir`
+  is reported by the first write (or, asynchronously, the call after it).
+  """
+  writer = MultiWriter([
+      TensorBoardWriter(logdir),
+      JsonlWriter(os.path.join(logdir, "metrics.jsonl")),
+  ])
+  return AsyncWriter(writer) if use_async else writer

@@ -1,0 +1,459 @@
+"""Tests for jaxline_ng.writers: what lands on disk, and on which thread."""
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxline_ng import writers
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+  """Runs `code` in a fresh interpreter that can import jaxline_ng."""
+  env = dict(os.environ, PYTHONPATH=_REPO_ROOT, JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-c", textwrap.dedent(code), *args],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
+  assert result.returncode == 0, result.stderr
+  return result
+
+
+def _read_events(logdir) -> list[tuple[int, str, str, np.ndarray]]:
+  """(step, tag, plugin name, value) of every summary in `logdir`, in order."""
+  import tensorflow as tf  # Imported once per test process, when needed.
+
+  events = []
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        plugin = value.metadata.plugin_data.plugin_name
+        events.append((event.step, value.tag, plugin, tf.make_ndarray(value.tensor)))
+  return events
+
+
+def _read_scalars(logdir) -> list[tuple[int, str, float]]:
+  scalars = []
+  for step, tag, plugin, value in _read_events(logdir):
+    assert plugin == "scalars", tag
+    scalars.append((step, tag, value.item()))
+  return scalars
+
+
+def _read_jsonl(path) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+class _RecordingWriter:
+  """Records what it receives and on which thread; can stall or fail."""
+
+  def __init__(self, gate=None, fail_at_step=None):
+    self.calls = []  # (method, step, values, thread)
+    self.completed = 0
+    self.closed = False
+    self.entered = threading.Event()
+    self.failed = threading.Event()
+    self._gate = gate
+    self._fail_at_step = fail_at_step
+
+  def _record(self, method, step, values):
+    self.entered.set()
+    if self._gate is not None:
+      self._gate.wait()
+    if step == self._fail_at_step:
+      self.failed.set()
+      raise OSError("disk on fire")
+    self.calls.append((method, step, values, threading.current_thread()))
+    self.completed += 1
+
+  def write_scalars(self, global_step, scalars):
+    self._record("write_scalars", global_step, scalars)
+
+  def write_images(self, global_step, images):
+    self._record("write_images", global_step, images)
+
+  def write_histograms(self, global_step, values):
+    self._record("write_histograms", global_step, values)
+
+  def write_texts(self, global_step, texts):
+    self._record("write_texts", global_step, texts)
+
+  def flush(self):
+    self.calls.append(("flush", None, None, threading.current_thread()))
+
+  def close(self):
+    self.closed = True
+
+
+def test_import_and_construction_do_not_import_tensorflow(tmp_path):
+  _run_python(
+      """
+    import sys
+    from jaxline_ng import writers
+    assert "tensorflow" not in sys.modules, "imported by the module"
+    for use_async in (True, False):
+      writers.make_writer(sys.argv[1], use_async=use_async).close()
+    assert "tensorflow" not in sys.modules, "imported by make_writer"
+    """,
+      str(tmp_path),
+  )
+
+
+def test_tensorboard_scalars_round_trip_exactly(tmp_path):
+  writer = writers.TensorBoardWriter(str(tmp_path))
+  writer.write_scalars(0, {"loss": 0.5, "score/eval": np.float32(0.25), "n": 3})
+  on_device = {
+      "loss": jnp.asarray(0.125),
+      "score/eval": jnp.asarray([1.5]),
+      "n": np.int64(4),
+  }
+  writer.write_scalars(7, on_device)
+  writer.close()
+  assert _read_scalars(tmp_path) == [
+      (0, "loss", 0.5),
+      (0, "score/eval", 0.25),
+      (0, "n", 3.0),
+      (7, "loss", 0.125),
+      (7, "score/eval", 1.5),
+      (7, "n", 4.0),
+  ]
+  with pytest.raises(ValueError, match="closed"):
+    writer.write_scalars(8, {"loss": 0.0})
+
+
+def test_tensorboard_images_histograms_and_texts_round_trip(tmp_path):
+  import tensorflow as tf
+
+  rng = np.random.default_rng(0)
+  gray = rng.uniform(size=(4, 5))  # [H, W] floats in [0, 1].
+  rgb = rng.integers(0, 256, size=(4, 5, 3), dtype=np.uint8)  # [H, W, C].
+  batch = rng.integers(0, 256, size=(2, 3, 4, 1), dtype=np.uint8)  # [B,H,W,C].
+  values = rng.normal(size=1000)
+  writer = writers.TensorBoardWriter(str(tmp_path))
+  writer.write_images(3, {"gray": gray, "rgb": jnp.asarray(rgb), "batch": batch})
+  writer.write_histograms(4, {"weights/w": values})
+  writer.write_texts(5, {"notes": "hello *world*"})
+  writer.close()
+
+  events = {tag: (step, plugin, value) for step, tag, plugin, value in _read_events(tmp_path)}
+  assert sorted(events) == ["batch", "gray", "notes", "rgb", "weights/w"]
+
+  def decoded(tag):
+    step, plugin, value = events[tag]
+    assert (step, plugin) == (3, "images")
+    # An image summary holds width, height, then one PNG per image.
+    return [tf.io.decode_png(png).numpy() for png in value[2:]]
+
+  [gray_png] = decoded("gray")
+  np.testing.assert_allclose(gray_png[..., 0], gray * 255, atol=1)
+  [rgb_png] = decoded("rgb")
+  np.testing.assert_array_equal(rgb_png, rgb)
+  np.testing.assert_array_equal(np.stack(decoded("batch")), batch)
+
+  step, plugin, buckets = events["weights/w"]  # Rows of (left, right, count).
+  assert (step, plugin) == (4, "histograms")
+  assert buckets[:, 2].sum() == len(values)
+  assert buckets[0, 0] == pytest.approx(values.min())
+  assert buckets[-1, 1] == pytest.approx(values.max())
+
+  step, plugin, text = events["notes"]
+  assert (step, plugin, text.item()) == (5, "text", b"hello *world*")
+
+
+def test_jsonl_writer(tmp_path):
+  path = tmp_path / "new" / "dir" / "metrics.jsonl"
+  writer = writers.JsonlWriter(str(path))
+  writer.write_scalars(
+      1,
+      {
+          "loss": jnp.asarray([0.5]),
+          "score/eval": np.float64(2.25),
+          "n": np.int32(3)
+      },
+  )
+  writer.write_scalars(2, {"loss": float("nan"), "big": math.inf})
+  writer.write_images(2, {"image": np.zeros((2, 2))})
+  writer.write_histograms(2, {"h": np.zeros(3)})
+  writer.write_texts(2, {"t": "ignored"})
+  assert path.read_bytes() == b"", "lines reach the file at flush"
+  writer.flush()
+
+  lines = path.read_text().splitlines(keepends=True)
+  assert lines[1] == '{"step": 2, "loss": NaN, "big": Infinity}\n'
+  first, second = _read_jsonl(path)
+  assert first == {"step": 1, "loss": 0.5, "score/eval": 2.25, "n": 3}
+  assert type(first["n"]) is int and type(first["loss"]) is float
+  assert math.isnan(second["loss"]) and second["big"] == math.inf
+
+  with pytest.raises(ValueError, match="reserved"):
+    writer.write_scalars(3, {"step": 1})
+  # Past the buffer size, lines are written out unprompted, but only whole.
+  for step in range(10, 2010):
+    writer.write_scalars(step, {"loss": step / 3})
+  content = path.read_text()
+  assert len(content.splitlines()) > 2 and content.endswith("\n")
+
+  writer.close()
+  writer.close()
+  assert [row["step"] for row in _read_jsonl(path)] == [1, 2, *range(10, 2010)]
+  with pytest.raises(ValueError, match="closed"):
+    writer.write_scalars(3, {"loss": 0.0})
+
+
+def test_multi_writer_calls_every_writer_even_after_a_failure():
+  broken = _RecordingWriter(fail_at_step=1)
+  healthy = _RecordingWriter()
+  writer = writers.MultiWriter([broken, healthy])
+  writer.write_scalars(0, {"a": 1.0})
+  writer.write_images(0, {"b": 2.0})
+  writer.write_histograms(0, {"c": 3.0})
+  writer.write_texts(0, {"d": "e"})
+  with pytest.raises(OSError, match="disk on fire"):
+    writer.write_scalars(1, {"a": 4.0})
+  writer.flush()
+  writer.close()
+  expected = [
+      ("write_scalars", 0, {
+          "a": 1.0
+      }),
+      ("write_images", 0, {
+          "b": 2.0
+      }),
+      ("write_histograms", 0, {
+          "c": 3.0
+      }),
+      ("write_texts", 0, {
+          "d": "e"
+      }),
+  ]
+  assert [c[:3] for c in broken.calls] == [*expected, ("flush", None, None)]
+  assert [c[:3] for c in healthy.calls] == [
+      *expected,
+      ("write_scalars", 1, {
+          "a": 4.0
+      }),
+      ("flush", None, None),
+  ]
+  assert broken.closed and healthy.closed
+
+
+def test_async_writer_keeps_order_of_many_writes_on_disk(tmp_path):
+  writer = writers.make_writer(str(tmp_path))
+  steps = range(2000)
+  for step in steps:
+    writer.write_scalars(step, {"x/y": step / 2})
+  writer.flush()  # Everything must be on disk now, before close.
+
+  assert _read_scalars(tmp_path) == [(step, "x/y", step / 2) for step in steps]
+  rows = _read_jsonl(tmp_path / "metrics.jsonl")
+  assert rows == [{"step": step, "x/y": step / 2} for step in steps]
+  writer.close()
+
+
+def test_async_writer_blocks_caller_when_queue_is_full():
+  gate = threading.Event()
+  inner = _RecordingWriter(gate=gate)
+  max_queue_size = 3
+  writer = writers.AsyncWriter(inner, max_queue_size=max_queue_size)
+  accepted = []
+  pending_seen = []
+
+  def produce():
+    for step in range(20):
+      writer.write_scalars(step, {"x": step})
+      accepted.append(step)
+      pending_seen.append(len(accepted) - inner.completed)
+
+  producer = threading.Thread(target=produce)
+  producer.start()
+  try:
+    assert inner.entered.wait(5)  # The worker is stuck in the first write.
+    deadline = time.monotonic() + 5
+    while len(accepted) < max_queue_size and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.2)  # Ample time for an unbounded queue to take all 20.
+    assert accepted == list(range(max_queue_size))
+    assert producer.is_alive()
+  finally:
+    gate.set()  # Even on failure: a stuck worker would hang exit.
+  producer.join(5)
+  writer.close()
+  assert max(pending_seen) <= max_queue_size
+  assert [step for _, step, _, _ in inner.calls] == list(range(20))
+
+
+def test_async_writer_copies_to_host_on_the_worker_thread():
+
+  class DeviceValueProbe:
+    """Array-like recording the threads that copy it to host."""
+
+    def __init__(self):
+      self.threads = []
+
+    def copy_to_host_async(self):
+      self.threads.append(threading.current_thread())
+
+    def __array__(self, dtype=None, copy=None):
+      self.threads.append(threading.current_thread())
+      return np.asarray(2.0, dtype)
+
+  probe = DeviceValueProbe()
+  inner = _RecordingWriter()
+  writer = writers.AsyncWriter(inner)
+  on_device = jnp.arange(3.0).sum()
+  writer.write_scalars(jnp.asarray(5), {"device": on_device, "probe": probe})
+  writer.close()
+
+  [(_, step, values, worker)] = inner.calls
+  assert worker is not threading.current_thread()
+  assert probe.threads == [worker, worker]
+  assert type(step) is int and step == 5
+  assert not isinstance(values["device"], jax.Array)
+  assert isinstance(values["device"], np.ndarray) and values["device"] == 3.0
+  assert values["probe"] == 2.0
+
+
+def test_async_writer_reraises_worker_error_on_next_call_and_close():
+  inner = _RecordingWriter(fail_at_step=1)
+  writer = writers.AsyncWriter(inner)
+  writer.write_scalars(0, {"x": 0.0})
+  writer.write_scalars(1, {"x": 1.0})
+  assert inner.failed.wait(5)
+
+  def next_write():
+    # The worker records the failure just after the inner writer raised
+    # it; writes accepted until then are dropped.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+      writer.write_scalars(2, {"x": 2.0})
+      time.sleep(0.001)
+
+  for call in (next_write, writer.flush, writer.close, writer.close):
+    with pytest.raises(writers.WriterError) as raised:
+      call()
+    original = raised.value.__cause__
+    assert isinstance(original, OSError) and str(original) == "disk on fire"
+    # The worker-side traceback, down to the failing line, is kept.
+    assert "_record" in "".join(traceback.format_exception(raised.value))
+  assert [step for _, step, _, _ in inner.calls] == [0]
+  assert inner.closed  # Closed despite the failure, releasing its files.
+
+
+def test_async_writer_close_is_idempotent_and_final():
+  inner = _RecordingWriter()
+  writer = writers.AsyncWriter(inner)
+  writer.write_texts(0, {"t": "x"})
+  writer.close()
+  writer.close()
+  writer.flush()  # Nothing left to flush: a no-op.
+  assert inner.closed and len(inner.calls) == 1
+  with pytest.raises(ValueError, match="closed AsyncWriter"):
+    writer.write_scalars(1, {"x": 1.0})
+
+
+@pytest.mark.parametrize("use_async", [True, False])
+def test_unwritable_logdir_raises_on_calling_thread(tmp_path, use_async):
+  regular_file = tmp_path / "file"
+  regular_file.write_text("")
+  writer = writers.make_writer(str(regular_file / "run"), use_async=use_async)
+  if use_async:
+    writer.write_scalars(0, {"x": 0.0})  # Fails on the worker.
+    with pytest.raises(writers.WriterError) as raised:
+      writer.flush()
+    error = raised.value.__cause__
+    with pytest.raises(writers.WriterError):
+      writer.close()
+  else:
+    with pytest.raises(OSError) as raised:
+      writer.write_scalars(0, {"x": 0.0})
+    error = raised.value
+    writer.close()
+  assert isinstance(error, NotADirectoryError)
+  assert any("also failed" in note for note in error.__notes__)
+
+
+def test_async_writer_close_from_signal_handler_mid_write():
+  # A subprocess, so that a deadlock fails the test (timeout) instead of
+  # hanging the whole suite.
+  _run_python("""
+    import signal, threading, time
+    from jaxline_ng import writers
+
+    class SlowWriter:
+      def __init__(self):
+        self.steps, self.closed = [], False
+      def write_scalars(self, step, scalars):
+        time.sleep(0.01)  # Mid-write whenever the signal arrives.
+        self.steps.append(step)
+      def flush(self):
+        pass
+      def close(self):
+        self.closed = True
+
+    inner = SlowWriter()
+    writer = writers.AsyncWriter(inner, max_queue_size=2)
+    signal.signal(signal.SIGUSR1, lambda *_: writer.close())
+    threading.Timer(
+      0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1)
+    ).start()
+    accepted = []
+    try:
+      for step in range(1000):  # 10 s of writes: the signal comes first.
+        writer.write_scalars(step, {"x": step})
+        accepted.append(step)
+    except ValueError as e:
+      assert "closed" in str(e)
+    else:
+      raise AssertionError("writes after close were accepted")
+    assert inner.closed
+    # A write that raced with close may be dropped, but nothing before it.
+    assert inner.steps in (accepted, accepted[:-1]), (inner.steps, accepted)
+    assert len(accepted) > 2, "closed before the worker wrote anything"
+    """)
+
+
+def test_queued_writes_reach_disk_at_interpreter_exit(tmp_path):
+  # No flush, no close. The main thread ends well before TensorFlow (which
+  # the first write imports) is loaded; a non-daemon thread writes on after.
+  _run_python(
+      """
+    import sys, threading, time
+    import jax.numpy as jnp
+    from jaxline_ng import writers
+
+    writer = writers.make_writer(sys.argv[1])
+
+    def write(steps):
+      for step in steps:
+        writer.write_scalars(step, {"loss": jnp.asarray(step / 4)})
+
+    def write_after_main_thread_ended():
+      time.sleep(0.5)
+      write(range(25, 50))
+
+    write(range(25))
+    threading.Thread(target=write_after_main_thread_ended).start()
+    """,
+      str(tmp_path),
+  )
+  rows = _read_jsonl(tmp_path / "metrics.jsonl")
+  assert rows == [{"step": step, "loss": step / 4} for step in range(50)]
+  scalars = _read_scalars(tmp_path)
+  assert scalars == [(step, "loss", step / 4) for step in range(50)]
