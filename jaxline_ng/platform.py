@@ -124,9 +124,19 @@ def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
 
 
 def _writer_and_record(config, mode: str):
-  """The writer for `<checkpoint_dir>/<mode>`, with `run.json` beside it (chief only)."""
+  """The writer for `<checkpoint_dir>/<mode>`, with `run.json` beside it (chief only).
+
+  Writing the record first also checks the directory is usable, so a bad
+  `checkpoint_dir` fails here with one line rather than later on a thread.
+  """
   if multihost.is_chief():
-    path = run_record.write(config, mode, os.path.join(config.checkpoint_dir, mode))
+    logdir = os.path.join(config.checkpoint_dir, mode)
+    try:
+      path = run_record.write(config, mode, logdir)
+    except OSError as e:
+      raise base_config.ConfigError(
+          f"config.checkpoint_dir={config.checkpoint_dir!r}: cannot write {logdir}: "
+          f"{e.strerror or e}") from None
     logging.info("[jaxline_ng] Run record: %s", path)
   return create_writer(config, mode)
 
