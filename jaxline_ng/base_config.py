@@ -69,6 +69,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Refuse to resume from a checkpoint made with a different config.
   config.strict_resume_config = False
 
+  # Where state lives: "pmap" (jaxline's per-device copies) or "mesh" (global
+  # arrays on a jax.sharding.Mesh of `mesh_shape`: "name:size,...", -1 = rest).
+  config.placement = "pmap"
+  config.mesh_shape = "data:-1"
+
   # Randomness.
   config.random_mode_train = "unique_host_unique_device"
   config.random_mode_eval = "same_host_same_device"
@@ -106,6 +111,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   for key in ("random_mode_train", "random_mode_eval"):
     try:
       rng.check_random_mode(config[key], key)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  from jaxline_ng import mesh  # Deferred, like rng above.
+  if config.placement not in mesh.PLACEMENTS:
+    raise ConfigError(f"config.placement={config.placement!r} is not a placement; expected "
+                      f"one of {', '.join(mesh.PLACEMENTS)}")
+  if config.placement == "mesh":
+    try:
+      mesh.mesh_axes(config.mesh_shape)
     except ValueError as e:
       raise ConfigError(str(e)) from None
 

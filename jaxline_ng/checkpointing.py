@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import devices
+from jaxline_ng import rng
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
@@ -122,7 +122,7 @@ def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
       state.global_step = int(np.ravel(jax.device_get(value))[0])
     elif name == "train_step_rng":
       if value is not None:
-        state.train_step_rng = devices.put_per_device(np.asarray(jax.device_get(value)))
+        state.train_step_rng = rng.place_chain(value)
     else:
       setattr(state, name, value)
 

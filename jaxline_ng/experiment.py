@@ -21,6 +21,7 @@ import jax
 from absl import logging
 
 from jaxline_ng import devices
+from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import rng as rng_lib
 
 Scalars = Mapping[str, Any]
@@ -63,7 +64,7 @@ class AbstractExperiment(abc.ABC):
     `init_rng` key unless `config.legacy_random_seed_behavior`.
     """
     key = rng_lib.train_chain_key(random_seed, state.config.legacy_random_seed_behavior)
-    return rng_lib.per_device_keys(key, state.config.random_mode_train)
+    return rng_lib.run_keys(key, state.config.random_mode_train)
 
   def train_loop(self, config, state, periodic_actions, writer=None) -> None:
     """Runs training steps until `should_run_step` says stop.
@@ -87,22 +88,36 @@ class AbstractExperiment(abc.ABC):
           action(now, state.global_step, scalars)
 
   def snapshot_state(self) -> Mapping[str, Any]:
-    """One copy of every checkpointed attribute, keyed by checkpoint name."""
+    """One copy of every checkpointed attribute, keyed by checkpoint name.
+
+    In pmap mode CHECKPOINT_ATTRS are read from the first device; in mesh
+    mode they are global arrays and taken whole.
+    """
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     if not attrs and not non_broadcast_attrs:
       logging.warning(
           "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
           "checkpoints will hold no experiment state.", type(self).__name__)
-    snapshot = {name: devices.get_first(getattr(self, attr)) for attr, name in attrs.items()}
+    one_copy = devices.get_first if mesh_lib.active_mesh() is None else (lambda tree: tree)
+    snapshot = {name: one_copy(getattr(self, attr)) for attr, name in attrs.items()}
     for attr, name in non_broadcast_attrs.items():
       snapshot[name] = getattr(self, attr)
     return snapshot
 
   def restore_from_snapshot(self, snapshot_state: Mapping[str, Any]) -> None:
-    """Sets checkpointed attributes from a snapshot, replicating CHECKPOINT_ATTRS."""
+    """Sets checkpointed attributes from a snapshot.
+
+    pmap mode replicates CHECKPOINT_ATTRS over the local devices; mesh mode
+    places them with the shardings the attributes have now (as `__init__`
+    made them), so sharded parameters come back sharded the same way.
+    """
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     for attr, name in attrs.items():
-      setattr(self, attr, devices.bcast_local_devices(snapshot_state[name]))
+      if mesh_lib.active_mesh() is None:
+        value = devices.bcast_local_devices(snapshot_state[name])
+      else:
+        value = mesh_lib.restore_like(getattr(self, attr, None), snapshot_state[name])
+      setattr(self, attr, value)
     for attr, name in non_broadcast_attrs.items():
       setattr(self, attr, snapshot_state[name])
 

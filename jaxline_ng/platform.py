@@ -39,6 +39,15 @@ _MODE = flags.DEFINE_string(
 TRAIN_EVAL_MULTITHREADED = "train_eval_multithreaded"
 
 
+def _override_naming(key: str) -> str | None:
+  """The `--config.a.b.key` argument on the command line that names `key`, if any."""
+  for arg in sys.argv[1:]:
+    path = arg.split("=", 1)[0]
+    if path.startswith("--config.") and path.rsplit(".", 1)[-1] == key:
+      return path
+  return None
+
+
 def _report_config_errors_in_one_line(config_flag) -> None:
   """Makes config-file failures one-line flag errors instead of tracebacks.
 
@@ -63,8 +72,9 @@ def _report_config_errors_in_one_line(config_flag) -> None:
           f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None
     except (AttributeError, KeyError) as e:
       key = str(e).strip("\"'")
+      override = _override_naming(key) or f"--config.{key}"
       raise flags.IllegalFlagValueError(
-          f"--config.{key}: no key {key!r} in the config {path!r} defines") from None
+          f"{override}: the config {path!r} has no key {key!r} there") from None
     except Exception as e:  # pylint: disable=broad-except  (any failure of user code)
       first_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
       raise flags.IllegalFlagValueError(

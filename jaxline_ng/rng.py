@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxline_ng import devices
+from jaxline_ng import mesh as mesh_lib
 
 RANDOM_MODES = (
     "unique_host_unique_device",
@@ -96,6 +97,41 @@ def per_device_keys(key, mode: str):
   return devices.put_per_device(_specialize_per_device(stacked, host_ids, mode=mode))
 
 
+def mesh_key(key, mode: str):
+  """The one key of a mesh-mode run, replicated over the mesh.
+
+  The host part of `mode` applies (the process index is folded in for
+  `unique_host_*`); the device part does not, since a mesh-mode step sees a
+  single key: fold in `jax.lax.axis_index` inside `shard_map` for per-device
+  keys. A global replicated key must be equal on every process, so with
+  several processes only `same_host_*` modes are possible.
+  """
+  check_random_mode(mode, "random_mode")
+  if mode.startswith("unique_host_"):
+    if jax.process_count() > 1:
+      raise ValueError(
+          f"random mode {mode!r} gives each process its own key, but a mesh-mode step "
+          "takes one global key: use same_host_* and fold in jax.process_index() or "
+          "jax.lax.axis_index where keys must differ")
+    key = jax.random.fold_in(key, jax.process_index())
+  return mesh_lib.replicate(np.asarray(jax.device_get(key)))
+
+
+def run_keys(key, mode: str):
+  """`key` specialised for the run's placement: per device (pmap) or one (mesh)."""
+  if mesh_lib.active_mesh() is None:
+    return per_device_keys(key, mode)
+  return mesh_key(key, mode)
+
+
+def place_chain(value):
+  """Puts a restored chain key back on the devices, as the run's placement wants."""
+  value = np.asarray(jax.device_get(value))
+  if mesh_lib.active_mesh() is None:
+    return devices.put_per_device(value)
+  return mesh_lib.replicate(value)
+
+
 def seed_key(random_seed: int):
   """The raw key experiments are initialised with (`init_rng`)."""
   return jax.random.PRNGKey(random_seed)
@@ -111,8 +147,11 @@ def train_chain_key(random_seed: int, legacy_random_seed_behavior: bool):
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
 def _advance_steps(global_step, chain, num_steps):
-  """The global steps, step keys and next chain keys of `num_steps` steps."""
-  split = jax.vmap(jax.random.split)
+  """The global steps, step keys and next chain keys of `num_steps` steps.
+
+  `chain` is one key (mesh mode) or one per device (pmap mode, [devices, 2]).
+  """
+  split = jax.vmap(jax.random.split) if chain.ndim == 2 else jax.random.split
   steps, step_keys, chains = [], [], []
   for _ in range(num_steps):
     children = split(chain)
@@ -124,16 +163,25 @@ def _advance_steps(global_step, chain, num_steps):
   return steps, step_keys, chains, global_step
 
 
+def step_counter(global_step: int, like):
+  """`global_step` placed as `step` receives it: per device (pmap) or one, replicated (mesh).
+
+  `like` is a key of the run's placement (per-device keys have two axes).
+  """
+  if like.ndim == 2:
+    return devices.put_per_device(np.full((like.shape[0],), global_step, np.int32))
+  return jax.device_put(np.int32(global_step), like.sharding)
+
+
 class StepInputs:
-  """Hands each training step its per-device `global_step` and `rng`.
+  """Hands each training step its `global_step` and `rng`, placed for the run.
 
   Computes `STEPS_PER_DISPATCH` steps' worth of inputs per device dispatch, so
   the loop does not pay a dispatch per step for bookkeeping.
   """
 
   def __init__(self, global_step: int, chain):
-    self._global_step_devices = devices.put_per_device(
-        np.full((jax.local_device_count(),), global_step, np.int32))
+    self._global_step_devices = step_counter(global_step, chain)
     self._chain = chain
     self._ready = []
 

@@ -17,9 +17,9 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import base_config
-from jaxline_ng import devices
 from jaxline_ng import experiment as experiment_lib
 from jaxline_ng import guards
+from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import multihost
 from jaxline_ng import periodic
 from jaxline_ng import preemption
@@ -144,12 +144,17 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
         log_all_data=config.log_all_train_data, logging_growth_ratios=growth,
         **last_acted("write", 0.0))
 
+  saved_at = [None]
+
   def save_latest(t, step, scalars):
     del t, step, scalars
+    if saved_at[0] == state.global_step:
+      return  # The final save right after a periodic one at the same step.
     guard.check()
     state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
                                    if isinstance(action, periodic.PeriodicAction)}
     checkpointer.save("latest")
+    saved_at[0] = state.global_step
 
   if save_checkpoints:
     actions["checkpoint"] = periodic.PeriodicAction(
@@ -170,6 +175,7 @@ def train(experiment_class, config, checkpointer, writer,
   and flushed as at a normal end, and `preemption.Preempted` is raised.
   """
   save_checkpoints = multihost.is_chief() or config.train_checkpoint_all_hosts
+  mesh_lib.activate(config)
 
   # --- State: construct the experiment, then restore over it. ---
   state = checkpointer.get_experiment_state("latest")
@@ -299,6 +305,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   if jaxline_mode is None:
     from absl import flags  # Only the command-line path reads the flag.
     jaxline_mode = flags.FLAGS.jaxline_mode
+  mesh_lib.activate(config)
 
   with experiment_lib.log_activity("experiment init"):
     experiment = experiment_class(
@@ -310,7 +317,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   best = None
   if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts):
     best = _BestTracker(config, checkpointer, experiment)
-  eval_rng = rng.per_device_keys(rng.seed_key(config.random_seed), config.random_mode_eval)
+  eval_rng = rng.run_keys(rng.seed_key(config.random_seed), config.random_mode_eval)
   evaluate_fn = experiment_lib.evaluate_should_return_dict(
       experiment_lib.keyword_filtered(experiment.evaluate))
 
@@ -333,8 +340,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     initial_weights_pending = False
 
     # --- Evaluate, write, track the best. ---
-    global_step_devices = devices.put_per_device(
-        np.full((jax.local_device_count(),), state.global_step, np.int32))
+    global_step_devices = rng.step_counter(state.global_step, like=eval_rng)
     with experiment_lib.log_activity(f"evaluation at step {state.global_step}"):
       scalars = evaluate_fn(global_step=global_step_devices, rng=eval_rng, writer=writer)
     _check_best_metric(config, scalars)

@@ -3,8 +3,10 @@
 Its parameters are a vector pulled towards a target by data-parallel SGD; the
 step's data is a function of the step number, so runs are reproducible. Each
 process takes its slice of a global batch, so 1 process x 4 devices and 2
-processes x 2 devices train on the same data. Config arguments:
-`:fail_at_step` makes step 3 raise (crash propagation).
+processes x 2 devices train on the same data. It runs in both placements:
+`--config.placement=mesh` trains the same math with `jax.jit` on a mesh, the
+parameters sharded over a `model` axis when the mesh has one. Config
+arguments: `:fail_at_step` makes step 3 raise (crash propagation).
 """
 
 import functools
@@ -15,7 +17,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_dict
 
-from jaxline_ng import base_config, experiment, multihost, platform, utils
+from jaxline_ng import base_config, experiment, mesh, multihost, platform, utils
 from jaxline_ng import rng as rng_lib
 
 
@@ -50,23 +52,39 @@ def _update(params, batch, learning_rate):
   return params - learning_rate * grads, jax.lax.pmean(loss, axis_name="i")
 
 
+def _update_global(params, batch, learning_rate):
+  """`_update` on global arrays: the mean over the whole batch, as pmean gives."""
+  loss, grads = jax.value_and_grad(_loss)(params, batch)
+  return params - learning_rate * grads, loss
+
+
 class Experiment(experiment.AbstractExperiment):
   CHECKPOINT_ATTRS = {"_params": "params"}
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode=mode, init_rng=init_rng)
     self.config = config
-    self._params = utils.bcast_local_devices(jnp.zeros(config.dim))
-    self._update = jax.pmap(
-        functools.partial(_update, learning_rate=config.learning_rate), axis_name="i",
-        donate_argnums=0)
+    self._mesh = mesh.active_mesh()
+    if self._mesh is None:
+      self._params = utils.bcast_local_devices(jnp.zeros(config.dim))
+      self._update = jax.pmap(
+          functools.partial(_update, learning_rate=config.learning_rate), axis_name="i",
+          donate_argnums=0)
+    else:
+      model_axis = "model" if "model" in self._mesh.axis_names else None
+      self._params = mesh.place(jnp.zeros(config.dim), model_axis)
+      self._update = jax.jit(functools.partial(_update_global, learning_rate=config.learning_rate),
+                             donate_argnums=0)
 
   def _batch(self, step: int):
     rows = np.random.default_rng(step).normal(1.0, 0.1, (jax.device_count(), 8, self.config.dim))
-    return multihost.host_slice(rows.astype(np.float32))
+    local = multihost.host_slice(rows.astype(np.float32))
+    if self._mesh is None:
+      return local
+    return mesh.global_batch(local.reshape(-1, self.config.dim), "data")
 
   def step(self, global_step, rng, writer):
-    step = int(utils.get_first(global_step))
+    step = int(global_step if self._mesh is not None else utils.get_first(global_step))
     if step == self.config.fail_at_step and self.config.fail_on_process in (
         -1, jax.process_index()):
       raise RuntimeError(f"toy experiment fails at step {step}")
@@ -76,10 +94,10 @@ class Experiment(experiment.AbstractExperiment):
         keys[mode] = np.asarray(rng_lib.per_device_keys(rng_lib.seed_key(0), mode))
       np.savez(f"{self.config.record_keys_dir}/keys_p{jax.process_index()}.npz", **keys)
     self._params, loss = self._update(self._params, self._batch(step))
-    return {"loss": utils.get_first(loss)}
+    return {"loss": loss if self._mesh is not None else utils.get_first(loss)}
 
   def evaluate(self, global_step, rng, writer):
-    params = utils.get_first(self._params)
+    params = self._params if self._mesh is not None else utils.get_first(self._params)
     return {"neg_distance": -jnp.linalg.norm(params - 1.0), "params/mean": jnp.mean(params)}
 
 

@@ -1,0 +1,132 @@
+"""Mesh mode: experiments on `jit` + `NamedSharding` instead of pmap.
+
+With `config.placement = "mesh"` the framework builds one `jax.sharding.Mesh`
+over every device of every process from `config.mesh_shape`: axis names and
+sizes in order, one size may be -1 for "all remaining devices". Give it as a
+string, `"data:-1"` or `"data:-1,model:2"` (`--config.mesh_shape=data:-1,model:2`
+on the command line), or as a mapping `{"data": -1, "model": 2}`. Then:
+
+- `step` and `evaluate` receive a scalar `global_step` and a single raw key
+  `rng` (uint32[2]), both replicated over the mesh. Derive per-device
+  randomness inside `shard_map` by folding in `jax.lax.axis_index`.
+- `CHECKPOINT_ATTRS` hold global `jax.Array`s with their own shardings; they
+  are checkpointed whole (no `get_first`) and restored onto the shardings the
+  freshly constructed experiment gave them.
+
+The helpers below give experiment authors the mesh, shardings by partition
+spec, replication, and global batches assembled from per-process data.
+"""
+
+import math
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxline_ng import multihost
+
+PLACEMENTS = ("pmap", "mesh")
+
+_active: list[Optional[Mesh]] = [None]
+
+
+def _parse_shape(mesh_shape) -> list[tuple[str, int]]:
+  if isinstance(mesh_shape, str):
+    axes = []
+    for part in mesh_shape.split(","):
+      name, sep, size = part.strip().partition(":")
+      if not sep or not name.isidentifier():
+        raise ValueError(f"config.mesh_shape={mesh_shape!r}: expected 'name:size,...', "
+                         "e.g. 'data:-1,model:2'")
+      axes.append((name, int(size)))
+    return axes
+  return [(name, int(mesh_shape[name])) for name in mesh_shape.keys()]
+
+
+def mesh_axes(mesh_shape) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """Resolves `config.mesh_shape` against `jax.device_count()`.
+
+  Raises ValueError naming the shape when it does not tile the devices.
+  """
+  try:
+    axes = _parse_shape(mesh_shape)
+  except ValueError as e:
+    if "config.mesh_shape" in str(e):
+      raise
+    raise ValueError(f"config.mesh_shape={mesh_shape!r}: sizes must be integers") from None
+  names = tuple(name for name, _ in axes)
+  sizes = [size for _, size in axes]
+  devices = jax.device_count()
+  shown = mesh_shape if isinstance(mesh_shape, str) else dict(axes)
+  if not names or len(set(names)) != len(names) or sum(size == -1 for size in sizes) > 1 or any(
+      size == 0 or size < -1 for size in sizes):
+    raise ValueError(f"config.mesh_shape={shown!r}: give each axis a distinct name and a "
+                     "positive size, at most one -1")
+  known = math.prod(size for size in sizes if size != -1)
+  if -1 in sizes:
+    if devices % known:
+      raise ValueError(f"config.mesh_shape={shown!r}: {devices} devices do not "
+                       f"split into axes of total size {known} x N")
+    sizes[sizes.index(-1)] = devices // known
+  if math.prod(sizes) != devices:
+    raise ValueError(f"config.mesh_shape={shown!r} has {math.prod(sizes)} "
+                     f"positions for {devices} devices")
+  return names, tuple(sizes)
+
+
+def activate(config) -> Optional[Mesh]:
+  """Builds the mesh `config` asks for (or clears it, in pmap mode) and returns it."""
+  if config.placement != "mesh":
+    _active[0] = None
+    return None
+  names, sizes = mesh_axes(config.mesh_shape)
+  # Auto axes: shardings are placement hints XLA propagates, as jit users
+  # expect (`make_mesh` would default to Explicit axes, which type them).
+  _active[0] = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+  return _active[0]
+
+
+def active_mesh() -> Optional[Mesh]:
+  """The run's mesh in mesh mode; None in pmap mode."""
+  return _active[0]
+
+
+def current_mesh() -> Mesh:
+  """The run's mesh; raises if the run is not in mesh mode."""
+  if _active[0] is None:
+    raise RuntimeError("no mesh: set config.placement = 'mesh' to run in mesh mode")
+  return _active[0]
+
+
+def sharding(*spec: Any) -> NamedSharding:
+  """`NamedSharding(mesh, PartitionSpec(*spec))` on the run's mesh."""
+  return NamedSharding(current_mesh(), PartitionSpec(*spec))
+
+
+def replicate(tree: Any) -> Any:
+  """A copy of `tree` on every device of the mesh (fully replicated)."""
+  return jax.device_put(tree, sharding())
+
+
+def place(tree: Any, *spec: Any) -> Any:
+  """Places host or device values on the mesh, sharded by `spec`."""
+  return jax.device_put(tree, sharding(*spec))
+
+
+def global_batch(local_batch: Any, *spec: Any) -> Any:
+  """A global batch from this process's rows (see `multihost.host_slice`), sharded by `spec`."""
+  return multihost.global_batch(local_batch, current_mesh(), PartitionSpec(*spec))
+
+
+def restore_like(live: Any, saved: Any) -> Any:
+  """Places saved host values with the shardings of the live values they replace."""
+
+  def put(live_leaf, saved_leaf):
+    if isinstance(live_leaf, jax.Array):
+      return jax.device_put(np.asarray(saved_leaf, dtype=live_leaf.dtype), live_leaf.sharding)
+    return saved_leaf
+
+  if live is None:
+    return saved
+  return jax.tree.map(put, live, saved)

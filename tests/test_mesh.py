@@ -1,0 +1,137 @@
+"""Mesh mode: the same experiment on jit + NamedSharding, checked against pmap mode."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from jaxline_ng import base_config, checkpointing, disk_checkpointing, mesh, rng, train, utils
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+import toy  # pylint: disable=wrong-import-position
+
+
+class Recorder:
+
+  def __init__(self):
+    self.losses = {}
+
+  def write_scalars(self, global_step, scalars):
+    self.losses[global_step] = scalars["loss"]
+
+  def flush(self):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+  yield
+  mesh._active[0] = None  # pylint: disable=protected-access
+
+
+def toy_config(tmp_path, placement, steps=50, **overrides):
+  config = toy.get_config()
+  config.placement = placement
+  config.training_steps = steps
+  config.log_train_data_interval = 1
+  config.log_tensors_interval = 1000
+  config.checkpoint_dir = str(tmp_path)
+  config.experiment_kwargs.config.dim = 4
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def run(config, checkpointer=None):
+  writer = Recorder()
+  checkpointer = checkpointer or checkpointing.InMemoryCheckpointer(config, "train")
+  train.train(toy.Experiment, config, checkpointer, writer)
+  return writer.losses, checkpointer.get_experiment_state("latest").experiment_module
+
+
+def test_mesh_mode_matches_pmap_mode_for_50_steps(tmp_path):
+  pmap_losses, pmap_exp = run(toy_config(tmp_path, "pmap"))
+  utils.GLOBAL_CHECKPOINT_DICT.clear()
+  mesh_losses, mesh_exp = run(toy_config(tmp_path, "mesh", mesh_shape="data:-1,model:2"))
+  assert sorted(mesh_losses) == list(range(1, 51))
+  np.testing.assert_allclose([mesh_losses[s] for s in range(1, 51)],
+                             [pmap_losses[s] for s in range(1, 51)], rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(mesh_exp._params),
+                             np.asarray(utils.get_first(pmap_exp._params)), rtol=1e-5)
+
+
+def test_step_gets_scalar_step_and_one_key(tmp_path):
+  seen = []
+
+  class Recording(toy.Experiment):
+
+    def step(self, global_step, rng, writer):  # pylint: disable=redefined-outer-name
+      seen.append((global_step.shape, rng.shape, rng.dtype, global_step.sharding.spec))
+      return super().step(global_step, rng, writer)
+
+  config = toy_config(tmp_path, "mesh", steps=2)
+  train.train(Recording, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert seen[0] == ((), (2,), np.uint32, PartitionSpec())
+
+
+def test_mesh_resume_from_disk_continues_identically_with_shardings(tmp_path):
+  straight_losses, straight = run(
+      toy_config(tmp_path / "a", "mesh", mesh_shape="data:-1,model:2", checkpointer="disk"),
+      None)
+  config = toy_config(tmp_path / "b", "mesh", steps=20, mesh_shape="data:-1,model:2",
+                      checkpointer="disk")
+  first_losses, _ = run(config, disk_checkpointing.DiskCheckpointer(config, "train"))
+  config.training_steps = 50
+  second_losses, resumed = run(config, disk_checkpointing.DiskCheckpointer(config, "train"))
+  assert {**first_losses, **second_losses} == straight_losses
+  np.testing.assert_array_equal(np.asarray(resumed._params), np.asarray(straight._params))
+  assert resumed._params.sharding.spec == PartitionSpec("model")
+
+
+def test_unique_host_keys_need_one_process_in_mesh_mode(monkeypatch, tmp_path):
+  mesh.activate(toy_config(tmp_path, "mesh"))
+  assert rng.mesh_key(rng.seed_key(0), "unique_host_unique_device").shape == (2,)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match="mesh-mode step takes one global key"):
+    rng.mesh_key(rng.seed_key(0), "unique_host_unique_device")
+
+
+@pytest.mark.parametrize("shape,message", [
+    ("data:3", "has 3 positions for 4 devices"),
+    ("data:-1,model:3", "do not split"),
+    ("data:-1,model:-1", "at most one -1"),
+    ("data", "expected 'name:size"),
+])
+def test_bad_mesh_shape_is_named(shape, message):
+  config = base_config.get_base_config()
+  config.placement, config.mesh_shape = "mesh", shape
+  with pytest.raises(base_config.ConfigError, match=f"config.mesh_shape='{shape}'.*{message}"):
+    base_config.validate_config(config)
+
+
+def test_helpers_place_and_replicate(tmp_path):
+  mesh.activate(toy_config(tmp_path, "mesh", mesh_shape="data:2,model:2"))
+  assert mesh.current_mesh().shape == {"data": 2, "model": 2}
+  x = mesh.place(np.arange(8.0), "data")
+  assert x.sharding.spec == PartitionSpec("data")
+  assert mesh.replicate({"a": np.ones(2)})["a"].sharding.is_fully_replicated
+  batch = mesh.global_batch(np.arange(8.0).reshape(4, 2), "data")
+  assert batch.shape == (4, 2) and batch.sharding.spec == PartitionSpec("data")
+
+
+def test_disable_pmap_jit_in_mesh_mode(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  toy_path = os.path.join("tests", "experiments", "toy.py")
+  result = subprocess.run(
+      [sys.executable, toy_path, f"--config={toy_path}", f"--config.checkpoint_dir={tmp_path}",
+       "--config.placement=mesh", "--config.training_steps=3", "--jaxline_disable_pmap_jit"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "run eagerly" in result.stderr and "step 3/3" in result.stderr
