@@ -11,6 +11,9 @@ Prints a table and writes it as JSON (`--out`).
   (replicated state, per-step key split inside the update, one pmap call per
   step, scalars fetched every 100 steps) and by `jaxline_ng.train` (progress
   logged every 100 steps). Ratio = framework / hand.
+- loop_mesh: the same in mesh mode: a hand-written `jax.jit` loop over global
+  arrays (batch sharded over `data`) vs `jaxline_ng.train` with
+  `placement="mesh"`.
 - logging: `jaxline_ng.train` writing scalars every step (TensorBoard + JSONL,
   asynchronously) vs not writing. Ratio = logging / none.
 - checkpoint: in-memory checkpoint every 10 steps vs none. Ratio likewise.
@@ -76,11 +79,41 @@ def worker_hand(warmup: int, steps: int) -> dict:
   return {"steps_per_sec": steps / (time.perf_counter() - start)}
 
 
+def worker_hand_jit(warmup: int, steps: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import base_config, mesh  # pylint: disable=import-outside-toplevel
+  config = base_config.get_base_config()
+  config.placement = "mesh"
+  mesh.activate(config)
+
+  def update_and_split(params, opt_state, batch, key):
+    next_key, step_key = jax.random.split(key)
+    params, opt_state, loss = workloads.update_global(params, opt_state, batch, step_key)
+    return params, opt_state, loss, next_key
+
+  update = jax.jit(update_and_split, donate_argnums=(0, 1))
+  params, opt_state = mesh.replicate(workloads.initial_state())
+  batch = workloads.global_batch()
+  key = mesh.replicate(jax.random.PRNGKey(0))
+  start = None
+  for step in range(1, warmup + steps + 1):
+    params, opt_state, loss, key = update(params, opt_state, batch, key)
+    if step % 100 == 0:
+      float(loss)
+    if step == warmup:
+      jax.block_until_ready(loss)
+      start = time.perf_counter()
+  jax.block_until_ready(loss)
+  return {"steps_per_sec": steps / (time.perf_counter() - start)}
+
+
 def worker_framework(warmup: int, steps: int, write_every_step: bool,
-                     checkpoint_every: int) -> dict:
+                     checkpoint_every: int, placement: str = "pmap") -> dict:
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   from jaxline_ng import base_config, checkpointing, train, writers  # pylint: disable=import-outside-toplevel
   config = base_config.get_base_config()
+  config.placement = placement
   config.training_steps = warmup + steps
   config.interval_type = "steps"
   config.log_tensors_interval = 100
@@ -90,7 +123,9 @@ def worker_framework(warmup: int, steps: int, write_every_step: bool,
   writer = writers.make_writer(os.path.join(config.checkpoint_dir, "train")) \
       if write_every_step else None
   timer, steps_per_sec = _timed_steps(warmup, steps)
-  train.train(workloads.MLPExperiment, config,
+  experiment_class = (workloads.MeshMLPExperiment if placement == "mesh"
+                      else workloads.MLPExperiment)
+  train.train(experiment_class, config,
               checkpointing.InMemoryCheckpointer(config, "train"), writer, [timer])
   if writer is not None:
     writer.close()
@@ -164,7 +199,7 @@ def worker_startup() -> dict:
           "experiment_init_s": marks["init"], "framework_s": framework_import + framework_in_train}
 
 
-WORKERS = {"hand": worker_hand, "framework": worker_framework,
+WORKERS = {"hand": worker_hand, "hand_jit": worker_hand_jit, "framework": worker_framework,
            "save_stall": worker_save_stall, "startup": worker_startup}
 
 
@@ -222,6 +257,8 @@ def main(argv=None) -> int:
   results = {
       "loop": _paired(repeats, ("hand", {"warmup": warmup, "steps": steps}),
                       ("framework", framework)),
+      "loop_mesh": _paired(repeats, ("hand_jit", {"warmup": warmup, "steps": steps}),
+                           ("framework", {**framework, "placement": "mesh"})),
       "logging": _paired(repeats, ("framework", framework),
                          ("framework", {**framework, "write_every_step": True})),
       "checkpoint": _paired(repeats, ("framework", framework),
@@ -235,10 +272,13 @@ def main(argv=None) -> int:
     json.dump(results, f, indent=2)
 
   loop, logging_, checkpoint = results["loop"], results["logging"], results["checkpoint"]
+  loop_mesh = results["loop_mesh"]
   stall, startup = results["save_stall"], results["startup"]
   rows = [
       ("loop: framework / hand-written steps/s", f"{loop['ratio_median']:.3f}",
        f"[{loop['ratio_min']:.3f}, {loop['ratio_max']:.3f}]", ">= 0.97"),
+      ("loop, mesh mode: framework / hand-written jit", f"{loop_mesh['ratio_median']:.3f}",
+       f"[{loop_mesh['ratio_min']:.3f}, {loop_mesh['ratio_max']:.3f}]", ">= 0.97"),
       ("logging every step: slowdown", f"{100 * (1 - logging_['ratio_median']):.1f}%",
        f"[{100 * (1 - logging_['ratio_max']):.1f}, {100 * (1 - logging_['ratio_min']):.1f}]%",
        "<= 3%"),
@@ -258,8 +298,10 @@ def main(argv=None) -> int:
   print(f"{'benchmark':48} {'median':>9}  {'spread / detail':34} target")
   for name, value, detail, target in rows:
     print(f"{name:48} {value:>9}  {detail:34} {target}")
-  print(f"hand-written loop: {loop['a_steps_per_sec_median']:.0f} steps/s, framework: "
-        f"{loop['b_steps_per_sec_median']:.0f} steps/s ({repeats} pairs x {steps} steps, "
+  print(f"hand-written pmap loop: {loop['a_steps_per_sec_median']:.0f} steps/s, framework: "
+        f"{loop['b_steps_per_sec_median']:.0f} steps/s; hand-written jit loop: "
+        f"{loop_mesh['a_steps_per_sec_median']:.0f} steps/s, framework (mesh): "
+        f"{loop_mesh['b_steps_per_sec_median']:.0f} steps/s ({repeats} pairs x {steps} steps, "
         f"{DEVICES} fake CPU devices)")
   print(f"results written to {args.out}")
   return 0

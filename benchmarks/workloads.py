@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxline_ng import experiment, utils
+from jaxline_ng import experiment, mesh, utils
 
 PER_DEVICE_BATCH = 32
 FEATURES = 32
@@ -40,6 +40,22 @@ def update(params, opt_state, batch, rng):
   return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis_name="i")
 
 
+def update_global(params, opt_state, batch, rng):
+  """`update` on global arrays (mesh mode): the mean over the whole batch."""
+  loss, grads = jax.value_and_grad(_loss)(params, batch, rng)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def global_batch():
+  """The per-device batches of `device_batch`, as one batch sharded over `data`."""
+  n = jax.device_count()
+  data = np.random.default_rng(0)
+  x = data.normal(size=(PER_DEVICE_BATCH, FEATURES)).astype(np.float32)
+  y = data.integers(0, CLASSES, size=(PER_DEVICE_BATCH,)).astype(np.int32)
+  return mesh.place({"x": np.tile(x, (n, 1)), "y": np.tile(y, n)}, "data")
+
+
 def device_batch():
   """A fixed per-device batch, placed once: the benchmarks time the loop, not input."""
   data = np.random.default_rng(0)
@@ -66,6 +82,26 @@ class MLPExperiment(experiment.AbstractExperiment):
     self._opt_state = utils.bcast_local_devices(opt_state)
     self._batch = device_batch()
     self._update = jax.pmap(update, axis_name="i", donate_argnums=(0, 1))
+
+  def step(self, global_step, rng, writer):
+    self._params, self._opt_state, loss = self._update(
+        self._params, self._opt_state, self._batch, rng)
+    return {"loss": loss}
+
+  def evaluate(self, global_step, rng, writer):
+    return {}
+
+
+class MeshMLPExperiment(experiment.AbstractExperiment):
+  """The same model in mesh mode: replicated params, batch sharded over `data`."""
+  CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    params, opt_state = initial_state()
+    self._params, self._opt_state = mesh.replicate((params, opt_state))
+    self._batch = global_batch()
+    self._update = jax.jit(update_global, donate_argnums=(0, 1))
 
   def step(self, global_step, rng, writer):
     self._params, self._opt_state, loss = self._update(
