@@ -71,13 +71,17 @@ def initial_state():
 
 
 class MLPExperiment(experiment.AbstractExperiment):
-  """`update` as a jaxline_ng experiment; returns the per-device loss unreduced,
-  so nothing is dispatched or fetched for scalars until they are logged."""
+  """`update` as a jaxline_ng experiment; returns the loss unreduced, so nothing
+  is dispatched or fetched for scalars until they are logged."""
   CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state"}
 
   def __init__(self, mode, init_rng):
     super().__init__(mode, init_rng)
     params, opt_state = initial_state()
+    self._place(params, opt_state)
+
+  def _place(self, params, opt_state):
+    """pmap mode: one copy per device, a per-device batch, a pmapped update."""
     self._params = utils.bcast_local_devices(params)
     self._opt_state = utils.bcast_local_devices(opt_state)
     self._batch = device_batch()
@@ -92,21 +96,10 @@ class MLPExperiment(experiment.AbstractExperiment):
     return {}
 
 
-class MeshMLPExperiment(experiment.AbstractExperiment):
+class MeshMLPExperiment(MLPExperiment):
   """The same model in mesh mode: replicated params, batch sharded over `data`."""
-  CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state"}
 
-  def __init__(self, mode, init_rng):
-    super().__init__(mode, init_rng)
-    params, opt_state = initial_state()
+  def _place(self, params, opt_state):
     self._params, self._opt_state = mesh.replicate((params, opt_state))
     self._batch = global_batch()
     self._update = jax.jit(update_global, donate_argnums=(0, 1))
-
-  def step(self, global_step, rng, writer):
-    self._params, self._opt_state, loss = self._update(
-        self._params, self._opt_state, self._batch, rng)
-    return {"loss": loss}
-
-  def evaluate(self, global_step, rng, writer):
-    return {}

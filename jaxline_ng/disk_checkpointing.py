@@ -166,6 +166,35 @@ def _restore_args() -> ocp.args.Composite:
   return ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
 
 
+def read(checkpoint_dir: str, series: str = "latest",
+         step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
+  """Reads a checkpoint without an experiment: `(step, snapshot)`.
+
+  For scripts (exporting weights, comparing runs). Entries made of plain
+  containers come back as dicts/lists/tuples; others (NamedTuples, optax
+  states) as the list of their leaves in tree order. `step` defaults to the
+  newest.
+  """
+  series_dir = os.path.join(checkpoint_dir, "checkpoints", series)
+  steps = _steps(series_dir)
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint in {series_dir}")
+  step = steps[-1] if step is None else step
+  restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+      os.path.abspath(os.path.join(series_dir, str(step))), args=_restore_args())
+  entries = restored["meta"]["entries"]
+  live = {"experiment_module": {}}
+  for name, entry in entries.items():
+    if entry["skeleton"] is None:  # Without a live structure: a flat list of leaves.
+      top, _, attr = name.partition("/")
+      placeholder = [0] * len(entry["leaves"])
+      if attr:
+        live["experiment_module"][attr] = placeholder
+      else:
+        live[top] = placeholder
+  return step, decode(restored["arrays"], restored["meta"], live)
+
+
 class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 

@@ -13,7 +13,7 @@ Flags: `--config=file.py[:arg]` with `--config.key=value` overrides,
 
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 from absl import app, flags, logging

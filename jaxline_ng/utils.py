@@ -8,7 +8,6 @@ as `utils.GLOBAL_CHECKPOINT_DICT`; the in-memory checkpointer looks it up on
 this module at call time.
 """
 
-# pylint: disable=unused-import
 from jaxline_ng.checkpointing import (
     Checkpointer,
     CheckpointNT,
@@ -26,3 +25,11 @@ from jaxline_ng.rng import host_id_devices_for_rng, specialize_rng_host_device
 from jaxline_ng.writers import Writer
 
 GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
+
+__all__ = [
+    "CheckpointNT", "Checkpointer", "GLOBAL_CHECKPOINT_DICT", "InMemoryCheckpointer",
+    "PeriodicAction", "SnapshotNT", "Writer", "bcast_local_devices", "debugger_fallback",
+    "disable_pmap_jit", "double_buffer", "double_buffer_on_gpu", "evaluate_should_return_dict",
+    "get_checkpoint_dir", "get_first", "host_id_devices_for_rng", "kwargs_only", "log_activity",
+    "make_async", "py_prefetch", "rendezvous", "specialize_rng_host_device", "tree_psum",
+]

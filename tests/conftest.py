@@ -12,5 +12,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (must follow the environment set-up above)
+import pytest  # noqa: E402  (JAX reads the variables above when it is first used)
 
+
+@pytest.fixture(autouse=True)
+def fresh_in_memory_checkpoints(monkeypatch):
+  """Each test starts with no in-memory checkpoints, as a new process would."""
+  from jaxline_ng import utils  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})

@@ -2,10 +2,8 @@
 
 import threading
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxline_ng import base_config, checkpointing, experiment, train, utils
 

@@ -154,3 +154,17 @@ def test_best_series_on_disk_keeps_metric_value(tmp_path):
   state = best.get_experiment_state("best")
   best.restore("best")
   assert state.global_step == 4 and state.best_eval_metric_value < 0
+
+
+def test_read_without_an_experiment(tmp_path):
+  run(disk_config(tmp_path, 4))
+  step, nest = disk_checkpointing.read(str(tmp_path))
+  assert step == 4 and nest["global_step"] == 4
+  module = nest["experiment_module"]
+  assert module["history"] == [0, 1, 2, 3]
+  assert set(module["params"]) == {"w", "b"}  # plain dicts keep their keys
+  assert isinstance(module["moments"], list) and len(module["moments"]) == 2  # NamedTuple leaves
+  older, _ = disk_checkpointing.read(str(tmp_path), step=2)
+  assert older == 2
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    disk_checkpointing.read(str(tmp_path), series="best")

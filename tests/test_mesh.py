@@ -29,8 +29,7 @@ class Recorder:
 
 
 @pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+def back_to_pmap_mode():
   yield
   mesh._active[0] = None  # pylint: disable=protected-access
 

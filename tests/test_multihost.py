@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
-from jaxline_ng import multihost
+from jaxline_ng import disk_checkpointing, multihost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
@@ -38,14 +37,8 @@ def single_process(command, devices=4):
 
 
 def final_params(checkpoint_dir):
-  series = os.path.join(checkpoint_dir, "checkpoints", "latest")
-  newest = max(int(n) for n in os.listdir(series) if n.isdigit())
-  restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-      os.path.join(series, str(newest)),
-      args=ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-  entries = restored["meta"]["entries"]
-  key = entries["experiment_module/params"]["leaves"][0]["array"]
-  return newest, restored["arrays"][key]
+  step, nest = disk_checkpointing.read(str(checkpoint_dir))
+  return step, nest["experiment_module"]["params"]
 
 
 def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_path):

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from absl import flags
 from absl.testing import flagsaver
 
 from jaxline_ng import platform, utils
@@ -144,4 +143,4 @@ def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
   assert process.returncode == 75, stderr[-3000:]
   last = read_jsonl(metrics)[-1]
   assert f"stopped by SIGTERM after step {last['step']}" in stderr
-  assert f"Saved in-memory checkpoint latest" in stderr
+  assert "Saved in-memory checkpoint latest" in stderr

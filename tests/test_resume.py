@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import numpy as np
-import orbax.checkpoint as ocp
+
+from jaxline_ng import disk_checkpointing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
@@ -28,12 +29,8 @@ def read_jsonl(path):
 
 
 def final_arrays(checkpoint_dir):
-  series = os.path.join(checkpoint_dir, "checkpoints", "latest")
-  newest = max(int(name) for name in os.listdir(series) if name.isdigit())
-  restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-      os.path.join(series, str(newest)),
-      args=ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-  return newest, restored["arrays"]
+  step, nest = disk_checkpointing.read(str(checkpoint_dir))
+  return step, nest["experiment_module"]
 
 
 def interrupt_after(args, marker, timeout=120):

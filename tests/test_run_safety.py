@@ -19,10 +19,6 @@ from jaxline_ng import run_record, train, utils
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def fresh_checkpoints(monkeypatch):
-  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
-
 
 class Exploding(experiment.AbstractExperiment):
   """`loss` goes NaN from the step called with global_step == BAD_FROM."""

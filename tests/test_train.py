@@ -10,10 +10,6 @@ import pytest
 from jaxline_ng import base_config, checkpointing, experiment, rng, train, utils
 
 
-@pytest.fixture(autouse=True)
-def fresh_checkpoints(monkeypatch):
-  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
-
 
 def make_config(**overrides):
   config = base_config.get_base_config()
