@@ -214,8 +214,11 @@ def _run_worker(name: str, **kwargs) -> dict:
     from jaxline_ng import utils  # pylint: disable=import-outside-toplevel
     utils.GLOBAL_CHECKPOINT_DICT.clear()  # As in a fresh process: nothing to resume.
     return WORKERS[name](**kwargs)
+  # PJRT_NPROC: without it the hand-written loop, which runs up to 100 steps
+  # ahead, deadlocks in XLA's CPU collectives on a 2-core machine (tests/README.md).
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAXLINE_NG_BENCH_T0=repr(time.time()))
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, PJRT_NPROC=str(2 * DEVICES),
+             JAXLINE_NG_BENCH_T0=repr(time.time()))
   result = subprocess.run(
       [sys.executable, "-m", "benchmarks.run", "--worker", name, "--kwargs", json.dumps(kwargs)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

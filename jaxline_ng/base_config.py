@@ -59,6 +59,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.best_model_eval_metric = ""
   config.best_model_eval_metric_higher_is_better = True
 
+  # Steps dispatched ahead of the device at most; None: 2 on CPU with several
+  # devices (avoids an XLA CPU collective deadlock), unlimited elsewhere.
+  config.max_steps_in_flight = config_dict.placeholder(int)
+
   # Run safety and insight.
   # What a NaN/Inf training scalar does: "halt", "warn" or "off".
   config.non_finite_policy = "halt"
@@ -134,6 +138,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(
         f"config.non_finite_policy={config.non_finite_policy!r} is not a policy; expected "
         f"one of {', '.join(guards.POLICIES)}")
+
+  in_flight = config.max_steps_in_flight
+  if in_flight is not None and in_flight < 0:
+    raise ConfigError(f"config.max_steps_in_flight={in_flight!r} must be >= 0 (0: no limit) "
+                      "or None (automatic)")
 
   budget = config.wall_clock_budget_secs
   if budget is not None and not budget > 0:

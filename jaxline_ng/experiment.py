@@ -12,6 +12,7 @@ pmap-replicated: one copy is checkpointed and it is restored replicated.
 """
 
 import abc
+import collections
 import functools
 import inspect
 import time
@@ -76,11 +77,13 @@ class AbstractExperiment(abc.ABC):
     """
     step_inputs = rng_lib.StepInputs(state.global_step, state.train_step_rng)
     step = keyword_filtered(self.step)
+    in_flight = StepsInFlight(steps_in_flight_limit(config))
     with log_activity("training loop"):
       while self.should_run_step(state.global_step, config):
         global_step_devices, step_rng, next_chain = step_inputs.next()
         with jax.profiler.StepTraceAnnotation("train", step_num=state.global_step):
           scalars = step(global_step=global_step_devices, rng=step_rng, writer=writer)
+        in_flight.dispatched(scalars)
         state.global_step += 1
         state.train_step_rng = next_chain
         now = time.time()
@@ -126,6 +129,42 @@ class AbstractExperiment(abc.ABC):
 
     `best_state.global_step` and `best_state.best_eval_metric_value` describe it.
     """
+
+
+def steps_in_flight_limit(config) -> int:
+  """How many steps may be dispatched but unfinished; 0 for no limit.
+
+  `config.max_steps_in_flight` (None: automatic). Automatic is 2 on the CPU
+  backend with several local devices and unlimited elsewhere: XLA's CPU client
+  runs one thread per device on a machine with fewer cores than devices, and
+  when the host runs ~32 steps ahead a later step's launch takes the thread a
+  device needs for the current step's collective, which deadlocks (XLA aborts
+  after 40 s). Measurements in tests/README.md.
+  """
+  limit = getattr(config, "max_steps_in_flight", None)
+  if limit is not None:
+    return limit
+  return 2 if jax.default_backend() == "cpu" and jax.local_device_count() > 1 else 0
+
+
+class StepsInFlight:
+  """Blocks on step k - limit + 1's outputs once step k is dispatched.
+
+  The outputs are what `step` returned (its scalars); their device arrays
+  finish with the step that made them. A step that returns no device arrays
+  is not held back.
+  """
+
+  def __init__(self, limit: int):
+    self._limit = limit
+    self._outputs: collections.deque = collections.deque()
+
+  def dispatched(self, outputs) -> None:
+    if not self._limit:
+      return
+    self._outputs.append(outputs)
+    if len(self._outputs) >= self._limit:
+      jax.block_until_ready(self._outputs.popleft())
 
 
 def checkpoint_attrs(experiment) -> tuple[Mapping[str, str], Mapping[str, str]]:

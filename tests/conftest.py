@@ -1,8 +1,8 @@
 """Test-session set-up: fake CPU devices, set before JAX is imported anywhere.
 
 Four devices exercise the per-device code paths (leading axes, rng
-specialisation) while keeping collectives cheap on a 2-core CI machine; see
-tests/README.md for why the suite is shaped the way it is.
+specialisation) while keeping collectives cheap on a 2-core CI machine.
+tests/README.md explains how the suite avoids XLA's CPU collective deadlock.
 """
 
 import os
@@ -11,6 +11,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU client pool gets more threads than devices, so a launch waiting on
+# the in-flight limit cannot take the thread a collective needs (see
+# tests/README.md). Inherited by the processes tests start.
+os.environ.setdefault("PJRT_NPROC", "8")
 
 import pytest  # noqa: E402  (JAX reads the variables above when it is first used)
 

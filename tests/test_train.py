@@ -299,3 +299,32 @@ def test_multithreaded_constructs_eval_experiment_with_its_mode():
   assert sorted(ModeRecording.modes) == ["train", "train_eval_multithreaded"]
   # The evaluator ends on the final checkpoint.
   assert eval_writer.scalars[-1] == (4, {"count": 4})
+
+
+def test_steps_in_flight_are_bounded_on_cpu_with_several_devices():
+  config = make_config()
+  assert experiment.steps_in_flight_limit(config) == 2  # 4 fake CPU devices
+  config.max_steps_in_flight = 0
+  assert experiment.steps_in_flight_limit(config) == 0
+
+
+def test_steps_in_flight_blocks_on_the_oldest_outputs():
+  blocked = []
+
+  class Output:
+
+    def __init__(self, step):
+      self.step = step
+
+    def block_until_ready(self):
+      blocked.append(self.step)
+      return self
+
+  in_flight = experiment.StepsInFlight(2)
+  for step in range(5):
+    in_flight.dispatched({"loss": Output(step)})
+  # After dispatching step k, step k - 1 is waited for: at most 2 in flight.
+  assert blocked == [0, 1, 2, 3]
+  unbounded = experiment.StepsInFlight(0)
+  unbounded.dispatched({"loss": Output(9)})
+  assert blocked == [0, 1, 2, 3]
