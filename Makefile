@@ -22,8 +22,14 @@ install: $(STAMP)
 test: $(STAMP)
 	$(VENV_PY) -m pytest tests
 
+# The digits example, trained and evaluated side by side; then where to look.
 demo: $(STAMP)
-	$(VENV_PY) -m jaxline_ng.demo --checkpoint_dir=$(DEMO_DIR)
+	rm -rf $(DEMO_DIR)
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+	    $(VENV_PY) examples/digits/experiment.py --config=examples/digits/experiment.py \
+	    --jaxline_mode=train_eval_multithreaded --config.checkpointer=disk \
+	    --config.checkpoint_dir=$(DEMO_DIR)
+	$(VENV_PY) -m jaxline_ng.summary $(DEMO_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

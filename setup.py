@@ -19,6 +19,8 @@ setuptools.setup(
         "jax>=0.10",
         "ml-collections>=1.0",
         "numpy>=1.26",
+        # Durable checkpoints (config.checkpointer = "disk").
+        "orbax-checkpoint>=0.12",
         # TensorBoard writing; TF 2.21 no longer pulls in tensorboard itself.
         "tensorboard>=2.21",
         "tensorflow-cpu>=2.21",

@@ -72,7 +72,10 @@ def _report_config_errors_in_one_line(config_flag) -> None:
           f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None
     except (AttributeError, KeyError) as e:
       key = str(e).strip("\"'")
-      override = _override_naming(key) or f"--config.{key}"
+      override = _override_naming(key)
+      if override is None:  # Raised by the config file's own code.
+        raise flags.IllegalFlagValueError(
+            f"loading {argument!r} failed: {type(e).__name__}: {e}") from None
       raise flags.IllegalFlagValueError(
           f"{override}: the config {path!r} has no key {key!r} there") from None
     except Exception as e:  # pylint: disable=broad-except  (any failure of user code)

@@ -1,0 +1,88 @@
+"""Summarises a run from its directory, without TensorFlow or JAX.
+
+    python -m jaxline_ng.summary /tmp/my_run
+
+Prints where the TensorBoard logs, `metrics.jsonl` files and checkpoints
+are, the last step logged per mode, and the best value of the run's
+`best_model_eval_metric` (read from `run.json` and `eval*/metrics.jsonl`).
+Exits non-zero with one line when the directory holds no run.
+"""
+
+import json
+import math
+import os
+import sys
+from typing import Any, Optional
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _best(records: list[dict[str, Any]], metric: str,
+          higher_is_better: bool) -> Optional[dict[str, Any]]:
+  finite = [r for r in records if isinstance(r.get(metric), (int, float)) and
+            math.isfinite(r[metric])]
+  if not finite:
+    return None
+  choose = max if higher_is_better else min
+  return choose(finite, key=lambda r: r[metric])
+
+
+def summarize(checkpoint_dir: str) -> list[str]:
+  """The summary's lines; raises FileNotFoundError if there is no run there."""
+  modes = sorted(name for name in os.listdir(checkpoint_dir)
+                 if os.path.isfile(os.path.join(checkpoint_dir, name, "metrics.jsonl"))) \
+      if os.path.isdir(checkpoint_dir) else []
+  if not modes:
+    raise FileNotFoundError(f"{checkpoint_dir}: no <mode>/metrics.jsonl, so no jaxline_ng run")
+  lines = [f"Run directory: {os.path.abspath(checkpoint_dir)}"]
+  config = {}
+  for mode in modes:
+    record_path = os.path.join(checkpoint_dir, mode, "run.json")
+    if not config and os.path.isfile(record_path):
+      with open(record_path) as f:
+        config = json.load(f).get("config", {})
+    records = _read_jsonl(os.path.join(checkpoint_dir, mode, "metrics.jsonl"))
+    last = records[-1] if records else {}
+    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in sorted(last.items()) if k != "step")
+    lines.append(f"  {mode}: {len(records)} logged steps, last step {last.get('step')}: {shown}")
+    lines.append(f"    {os.path.join(checkpoint_dir, mode, 'metrics.jsonl')}")
+
+  metric = config.get("best_model_eval_metric")
+  if metric:
+    higher = config.get("best_model_eval_metric_higher_is_better", True)
+    candidates = [r for mode in modes if mode.startswith("eval") or mode == "train_eval_multithreaded"
+                  for r in _read_jsonl(os.path.join(checkpoint_dir, mode, "metrics.jsonl"))]
+    best = _best(candidates, metric, higher)
+    if best is not None:
+      lines.append(f"Best {metric}: {best[metric]:.4f} at step {best['step']}")
+
+  checkpoints = os.path.join(checkpoint_dir, "checkpoints")
+  if os.path.isdir(checkpoints):
+    for series in sorted(os.listdir(checkpoints)):
+      steps = sorted(int(n) for n in os.listdir(os.path.join(checkpoints, series)) if n.isdigit())
+      if steps:
+        lines.append(f"Checkpoints ({series}): steps {steps} in "
+                     f"{os.path.join(checkpoints, series)}")
+  lines.append(f"TensorBoard: tensorboard --logdir {checkpoint_dir}")
+  return lines
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) != 2:
+    print("usage: python -m jaxline_ng.summary CHECKPOINT_DIR", file=sys.stderr)
+    return 2
+  try:
+    lines = summarize(argv[1])
+  except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError) as e:
+    print(f"jaxline_ng.summary: error: {e}", file=sys.stderr)
+    return 1
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
