@@ -59,7 +59,7 @@ def main() -> int:
       process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
       for line in process.stderr:  # Wait for the run's first save of this round.
-        if "Saving checkpoint latest" in line:
+        if "Saved checkpoint latest" in line:
           break
       time.sleep(rng.uniform(0.5, 3.0))
       process.kill()

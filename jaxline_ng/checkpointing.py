@@ -16,14 +16,16 @@ experiment object itself); both restore.
 """
 
 import collections
+import concurrent.futures
 import os
 import threading
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import jax
 import numpy as np
 from absl import logging
 
+from jaxline_ng import devices
 from jaxline_ng import rng
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
@@ -89,16 +91,72 @@ def global_checkpoint_dict() -> dict[str, CheckpointNT]:
   return utils.GLOBAL_CHECKPOINT_DICT
 
 
-def host_snapshot(state: ExperimentState) -> dict[str, Any]:
-  """A host-memory copy of `state`, in jaxline 0.0.8's snapshot layout.
+def device_snapshot(state: ExperimentState) -> dict[str, Any]:
+  """`state` in jaxline 0.0.8's snapshot layout, with fresh device copies of its arrays.
 
-  Values are copied off the devices now, so buffer donation and the steps the
-  loop has already dispatched cannot change a saved snapshot.
+  Cheap for the calling thread: copies are dispatched, not waited for. Being
+  new buffers, donating the live state in the next step, or anything the
+  loop dispatches later, cannot change the snapshot. The default
+  `snapshot_state` returns fresh arrays already (`get_first` slices, or
+  copies in mesh mode); an overridden one is copied here. The training key
+  chain is never donated, so it is taken as it is.
   """
+  # Deferred: experiment imports this module's users, not the other way round.
+  from jaxline_ng import experiment as experiment_lib
+
   nest = state.snapshotted_items()
-  if state.experiment_module is not None:
-    nest["experiment_module"] = state.experiment_module.snapshot_state()
-  return jax.device_get(nest)
+  module = state.experiment_module
+  if module is not None:
+    snapshot = module.snapshot_state()
+    if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
+      snapshot = devices.fresh_copies(snapshot)
+    nest["experiment_module"] = snapshot
+  return nest
+
+
+def host_snapshot(state: ExperimentState) -> dict[str, Any]:
+  """`device_snapshot(state)` copied to host memory (waits for the devices)."""
+  return jax.device_get(device_snapshot(state))
+
+
+class SaveWorker:
+  """One background thread that finishes saves in the order they were made.
+
+  `submit(nest, validate, persist)` first waits for the previous save (so
+  at most one snapshot waits on the devices), then returns while, on the
+  worker, the snapshot is copied to host memory, `validate()` runs (it may
+  wait for the step's outputs; if it raises, the snapshot is dropped and the
+  validator reports its own failure) and `persist(host_nest)` stores it. An
+  error while persisting is raised on the caller's thread by the next
+  `submit` or by `wait`.
+  """
+
+  def __init__(self, name: str):
+    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                           thread_name_prefix=name)
+    self._futures: list[concurrent.futures.Future] = []
+
+  def _raise_failures(self, block: bool) -> None:
+    while self._futures and (block or self._futures[0].done()):
+      self._futures.pop(0).result()
+
+  def submit(self, nest: dict[str, Any], validate: Optional[Callable[[], None]],
+             persist: Callable[[dict[str, Any]], None]) -> None:
+    self._raise_failures(block=True)
+
+    def finish():
+      host_nest = jax.device_get(nest)
+      if validate is not None:
+        try:
+          validate()
+        except Exception:  # pylint: disable=broad-except  (the validator reports it)
+          return
+      persist(host_nest)
+
+    self._futures.append(self._executor.submit(finish))
+
+  def wait(self) -> None:
+    self._raise_failures(block=True)
 
 
 def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
@@ -128,12 +186,19 @@ def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
 
 
 class InMemoryCheckpointer:
-  """Keeps up to `max_checkpoints_to_keep` host-memory snapshots per series."""
+  """Keeps up to `max_checkpoints_to_keep` host-memory snapshots per series.
+
+  `save` returns once the state's arrays are copied on device; the copy to
+  host memory and the append to the series happen on a background thread
+  (`wait_for_checkpointing_to_finish` waits for them), so saving costs the
+  training loop a dispatch, not a pause.
+  """
 
   def __init__(self, config, mode: str):
     del mode  # Series are shared by every mode in the process.
     self._max_checkpoints_to_keep = config.max_checkpoints_to_keep
     self._lock = threading.Lock()
+    self._worker = SaveWorker("in_memory_checkpointer")
 
   def _series(self, ckpt_series: str) -> CheckpointNT:
     checkpoints = global_checkpoint_dict()
@@ -148,15 +213,20 @@ class InMemoryCheckpointer:
       active.state = ExperimentState()
     return active.state
 
-  def save(self, ckpt_series: str) -> None:
+  def save(self, ckpt_series: str, *, validate: Optional[Callable[[], None]] = None) -> None:
+    """Snapshots the live state of `ckpt_series`; `validate` may veto it (see SaveWorker)."""
     series = self._series(ckpt_series)
-    nest = host_snapshot(self.get_experiment_state(ckpt_series))
-    with self._lock:
-      next_id = series.history[-1].id + 1 if series.history else 0
-      series.history.append(SnapshotNT(next_id, nest))
-      del series.history[:-self._max_checkpoints_to_keep]
-    logging.info("[jaxline_ng] Saved in-memory checkpoint %s/%d at step %d.",
-                 ckpt_series, next_id, nest.get("global_step", -1))
+
+    def append(nest):
+      with self._lock:
+        next_id = series.history[-1].id + 1 if series.history else 0
+        series.history.append(SnapshotNT(next_id, nest))
+        del series.history[:-self._max_checkpoints_to_keep]
+      logging.info("[jaxline_ng] Saved in-memory checkpoint %s/%d at step %d.",
+                   ckpt_series, next_id, nest.get("global_step", -1))
+
+    self._worker.submit(device_snapshot(self.get_experiment_state(ckpt_series)), validate,
+                        append)
 
   def can_be_restored(self, ckpt_series: str) -> bool:
     series = global_checkpoint_dict().get(ckpt_series)
@@ -173,7 +243,7 @@ class InMemoryCheckpointer:
     return global_checkpoint_dict()[ckpt_series].history[-1].id
 
   def wait_for_checkpointing_to_finish(self) -> None:
-    """Saves complete before `save` returns."""
+    self._worker.wait()
 
 
 def get_checkpoint_dir(config, host_id: int) -> str:

@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -82,6 +83,29 @@ def get_first(tree: Any) -> Any:
   for i, leaf in enumerate(leaves):
     if not isinstance(leaf, jax.Array):
       leaves[i] = leaf[0]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+@jax.jit
+def _copy_on_device(arrays):
+  return [jnp.copy(x) for x in arrays]
+
+
+def fresh_copies(tree: Any) -> Any:
+  """`tree` with every `jax.Array` copied on its devices (dispatched, not waited for).
+
+  The copies are new buffers: donating or deleting the originals later does
+  not touch them. One dispatch per placement, as a jit takes arrays of one
+  device set.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  by_sharding: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, jax.Array):
+      by_sharding.setdefault(leaf.sharding, []).append(i)
+  for positions in by_sharding.values():
+    for i, copy in zip(positions, _copy_on_device([leaves[i] for i in positions])):
+      leaves[i] = copy
   return jax.tree.unflatten(treedef, leaves)
 
 

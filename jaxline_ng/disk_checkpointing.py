@@ -8,10 +8,11 @@ lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
 - `meta`: JSON with the snapshot's plain Python values (ints, floats, bools,
   strings) and, for each entry, the list/dict/tuple skeleton it was made of.
 
-Saving copies the state to host memory on the calling thread (so donation
-and the steps dispatched next cannot change it), then orbax writes it on a
-background thread while training continues; the next save, the final save
-and `wait_for_checkpointing_to_finish` wait for it. Orbax writes into a
+Saving copies the state's arrays on device on the calling thread (fresh
+buffers: donation and the steps dispatched next cannot change them) and
+checks every value can be stored; copying to host memory and writing happen
+on a background thread while training continues. The next save, the final
+save and `wait_for_checkpointing_to_finish` wait for it. Orbax writes into a
 temporary directory and renames it when complete, so a process killed at any
 moment leaves only complete step directories (partial ones are removed when
 the next run starts).
@@ -25,7 +26,7 @@ checkpoint that fails to load is reported and the one before it is used.
 import logging as python_logging
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -92,6 +93,22 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
   if "list" in skeleton:
     return [_rebuild(v, leaves) for v in skeleton["list"]]
   return tuple(_rebuild(v, leaves) for v in skeleton["tuple"])
+
+
+def check_storable(nest: dict[str, Any]) -> None:
+  """Raises CheckpointFormatError naming the first value `encode` could not store.
+
+  Cheap (no copies), so a save can fail on the caller's thread, at once.
+  """
+  module = nest.get("experiment_module") or {}
+  named = {**{k: v for k, v in nest.items() if k != "experiment_module"},
+           **{f"experiment_module/{k}": v for k, v in module.items()}}
+  for name, value in named.items():
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+      if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_PLAIN_VALUES)):
+        raise CheckpointFormatError(
+            f"cannot checkpoint {_entry_name(name, path)}: a {type(leaf).__name__} is "
+            "neither an array nor a plain Python value (int, float, bool, str)")
 
 
 def encode(nest: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -213,6 +230,7 @@ class DiskCheckpointer:
     self._managers: dict[str, ocp.CheckpointManager] = {}
     self._lock = threading.Lock()
     self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    self._worker = checkpointing.SaveWorker("disk_checkpointer")
 
   def _series_dir(self, ckpt_series: str) -> str:
     return os.path.join(self._root, ckpt_series)
@@ -239,16 +257,30 @@ class DiskCheckpointer:
     states = self._live.__dict__.setdefault("states", {})
     return states.setdefault(ckpt_series, checkpointing.ExperimentState())
 
-  def save(self, ckpt_series: str) -> None:
+  def save(self, ckpt_series: str, *, validate: Optional[Callable[[], None]] = None) -> None:
+    """Snapshots the live state on device now; writes it on the save worker.
+
+    The worker copies it to host, runs `validate` (which may veto the save),
+    encodes it and has orbax write it; the next save and
+    `wait_for_checkpointing_to_finish` wait for that.
+    """
     state = self.get_experiment_state(ckpt_series)
     manager = self._manager(ckpt_series)
-    if manager.latest_step() == state.global_step:
-      return  # This step is saved already (a periodic save just before the final one).
-    arrays, meta = encode(checkpointing.host_snapshot(state))
-    manager.save(state.global_step, args=ocp.args.Composite(
-        arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
-    logging.info("[jaxline_ng] Saving checkpoint %s/%d to %s (in the background).",
-                 ckpt_series, state.global_step, self._series_dir(ckpt_series))
+    nest = checkpointing.device_snapshot(state)
+    check_storable(nest)
+    step = state.global_step
+
+    def write(host_nest):
+      if manager.latest_step() == step:
+        return  # Saved already (a final save right after a periodic one).
+      arrays, meta = encode(host_nest)
+      manager.save(step, args=ocp.args.Composite(
+          arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
+      manager.wait_until_finished()
+      logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step,
+                   self._series_dir(ckpt_series))
+
+    self._worker.submit(nest, validate, write)
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
@@ -293,7 +325,4 @@ class DiskCheckpointer:
         f"no loadable checkpoint for series {ckpt_series!r}; tried {failures}")
 
   def wait_for_checkpointing_to_finish(self) -> None:
-    with self._lock:
-      managers = list(self._managers.values())
-    for manager in managers:
-      manager.wait_until_finished()
+    self._worker.wait()

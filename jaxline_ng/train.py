@@ -5,6 +5,7 @@
 checkpoint once; `train_eval_multithreaded` runs both in one process.
 """
 
+import inspect
 import json
 import math
 import os
@@ -145,15 +146,21 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
         **last_acted("write", 0.0))
 
   saved_at = [None]
+  # jaxline_ng's checkpointers run the guard on their save worker (waiting for
+  # the step there, not here); a user's checkpointer gets a checked state.
+  validates = "validate" in inspect.signature(checkpointer.save).parameters
 
   def save_latest(t, step, scalars):
     del t, step, scalars
     if saved_at[0] == state.global_step:
       return  # The final save right after a periodic one at the same step.
-    guard.check()
     state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
                                    if isinstance(action, periodic.PeriodicAction)}
-    checkpointer.save("latest")
+    if validates:
+      checkpointer.save("latest", validate=guard.check)
+    else:
+      guard.check()
+      checkpointer.save("latest")
     saved_at[0] = state.global_step
 
   if save_checkpoints:

@@ -97,8 +97,10 @@ def test_restore_path_changes_with_each_save(monkeypatch):
   assert checkpointer.restore_path("latest") is None
   assert not checkpointer.can_be_restored("latest")
   checkpointer.save("latest")
+  checkpointer.wait_for_checkpointing_to_finish()
   first = checkpointer.restore_path("latest")
   checkpointer.save("latest")
+  checkpointer.wait_for_checkpointing_to_finish()
   assert checkpointer.restore_path("latest") != first
 
 

@@ -56,6 +56,7 @@ def save_latest(checkpointer, step):
     module._w = utils.bcast_local_devices(jnp.full(2, float(step)))
     state.global_step, state.experiment_module = step, module
     checkpointer.save("latest")
+    checkpointer.wait_for_checkpointing_to_finish()
 
   trainer = threading.Thread(target=publish)
   trainer.start()

@@ -34,6 +34,8 @@ RUNS = {
     "digits_train": (DIGITS, ":smoke", "train", 10, ()),
     "digits_train_eval": (DIGITS, ":smoke", "train_eval_multithreaded", 10, ()),
     "char_lm_train": (CHAR_LM, ":smoke", "train", 10, ("--config.checkpointer=disk",)),
+    "char_lm_mesh": (CHAR_LM, ":smoke", "train", 10,
+                     ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:2")),
     "published_style": (PUBLISHED, "", "train_eval_multithreaded", 20, ()),
 }
 
@@ -148,6 +150,13 @@ def test_char_lm_smoke_train(runs):
   assert train[-1]["examples_seen"] == 10 * 32
 
 
+def test_char_lm_smoke_in_mesh_mode_with_sharded_parameters(runs):
+  run = runs["char_lm_mesh"].wait()
+  train = check_training_written(run)
+  assert np.isfinite(train[-1]["train_bits_per_char"])
+  assert "run.json" in os.listdir(run.checkpoint_dir / "train")
+
+
 def test_char_lm_resumes_and_evaluates(runs, tmp_path):
   """A second run restores the disk checkpoint, counter included, and evaluates."""
   first = runs["char_lm_train"].wait()
@@ -253,3 +262,22 @@ def test_config_arguments(path):
   assert module.get_config("").training_steps > smoke.training_steps
   with pytest.raises(ValueError, match="unknown config argument"):
     module.get_config("nonsense")
+
+
+def test_char_lm_mesh_mode_shards_weight_matrices_over_model():
+  from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import mesh  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  char_lm = load_module(CHAR_LM)
+  config = char_lm.get_config("smoke")
+  config.placement, config.mesh_shape = "mesh", "data:-1,model:2"
+  mesh.activate(config)
+  try:
+    lm = char_lm.Experiment("train", jax.random.PRNGKey(0), **config.experiment_kwargs)
+    specs = {leaf.sharding.spec for leaf in jax.tree.leaves(lm._params)}
+    moment_specs = {leaf.sharding.spec for leaf in jax.tree.leaves(lm._opt_state)
+                    if getattr(leaf, "ndim", 0) == 2}
+  finally:
+    mesh._active[0] = None  # pylint: disable=protected-access
+  assert PartitionSpec(None, "model") in specs and PartitionSpec() in specs
+  assert moment_specs == {PartitionSpec(None, "model")}

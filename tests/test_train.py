@@ -332,3 +332,22 @@ def test_steps_in_flight_blocks_on_the_oldest_outputs():
   unbounded = experiment.StepsInFlight(0)
   unbounded.dispatched({"loss": Output(9)})
   assert blocked == [0, 1, 2, 3]
+
+
+class LiveSnapshot(Donating):
+  """Overrides snapshot_state to hand back the live (soon donated) arrays."""
+
+  def snapshot_state(self):
+    return {"params": self._params}
+
+  def restore_from_snapshot(self, snapshot_state):
+    self._params = snapshot_state["params"]
+
+
+def test_overridden_snapshot_state_is_copied_before_donation():
+  config = make_config(training_steps=9, save_checkpoint_interval=4, max_checkpoints_to_keep=5)
+  train.train(LiveSnapshot, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  for snapshot in utils.GLOBAL_CHECKPOINT_DICT["latest"].history:
+    step = snapshot.pickle_nest["global_step"]
+    np.testing.assert_array_equal(snapshot.pickle_nest["experiment_module"]["params"]["w"],
+                                  np.full((jax.local_device_count(), 4), float(step)))

@@ -102,15 +102,28 @@ class _RecordingWriter:
     self.closed = True
 
 
-def test_import_and_construction_do_not_import_tensorflow(tmp_path):
+def test_tensorflow_is_never_imported_on_the_calling_thread(tmp_path):
+  """Importing the module imports no TensorFlow; the async writer imports it on its
+  worker (at once, to be ready for the first write), the sync one at its first write."""
   _run_python(
       """
-    import sys
+    import importlib.abc, sys, threading
+    importers = []
+
+    class RecordTensorFlowImport(importlib.abc.MetaPathFinder):
+      def find_spec(self, name, path, target=None):
+        if name == "tensorflow":
+          importers.append(threading.current_thread().name)
+        return None
+
+    sys.meta_path.insert(0, RecordTensorFlowImport())
     from jaxline_ng import writers
     assert "tensorflow" not in sys.modules, "imported by the module"
-    for use_async in (True, False):
-      writers.make_writer(sys.argv[1], use_async=use_async).close()
-    assert "tensorflow" not in sys.modules, "imported by make_writer"
+    sync_writer = writers.make_writer(sys.argv[1] + "/sync", use_async=False)
+    assert "tensorflow" not in sys.modules, "imported by constructing a sync writer"
+    writers.make_writer(sys.argv[1] + "/async").close()
+    sync_writer.close()
+    assert importers and threading.main_thread().name not in importers, importers
     """,
       str(tmp_path),
   )
@@ -374,8 +387,10 @@ def test_unwritable_logdir_raises_on_calling_thread(tmp_path, use_async):
   regular_file.write_text("")
   writer = writers.make_writer(str(regular_file / "run"), use_async=use_async)
   if use_async:
-    writer.write_scalars(0, {"x": 0.0})  # Fails on the worker.
+    # Fails on the worker (readying TensorBoard, or at the write), and is
+    # raised on this thread by the next call at the latest.
     with pytest.raises(writers.WriterError) as raised:
+      writer.write_scalars(0, {"x": 0.0})
       writer.flush()
     error = raised.value.__cause__
     with pytest.raises(writers.WriterError):
@@ -385,8 +400,9 @@ def test_unwritable_logdir_raises_on_calling_thread(tmp_path, use_async):
       writer.write_scalars(0, {"x": 0.0})
     error = raised.value
     writer.close()
+    # Both sinks failed; the second one's error rides along as a note.
+    assert any("also failed" in note for note in error.__notes__)
   assert isinstance(error, NotADirectoryError)
-  assert any("also failed" in note for note in error.__notes__)
 
 
 def test_async_writer_close_from_signal_handler_mid_write():
@@ -457,3 +473,21 @@ def test_queued_writes_reach_disk_at_interpreter_exit(tmp_path):
   assert rows == [{"step": step, "loss": step / 4} for step in range(50)]
   scalars = _read_scalars(tmp_path)
   assert scalars == [(step, "loss", step / 4) for step in range(50)]
+
+
+def test_writes_show_up_without_a_flush_while_the_run_goes_on(tmp_path):
+  writer = writers.make_writer(str(tmp_path))
+  try:
+    for step in range(1, 4):
+      writer.write_scalars(step, {"loss": float(step)})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+      jsonl = tmp_path / "metrics.jsonl"
+      if jsonl.exists() and len(jsonl.read_text().splitlines()) == 3 and \
+          len(_read_scalars(tmp_path)) == 3:
+        break
+      time.sleep(0.2)
+    assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert _read_scalars(tmp_path) == [(1, "loss", 1.0), (2, "loss", 2.0), (3, "loss", 3.0)]
+  finally:
+    writer.close()
