@@ -64,8 +64,9 @@ class AbstractExperiment(abc.ABC):
     Specialised per host/device by `config.random_mode_train`; differs from the
     `init_rng` key unless `config.legacy_random_seed_behavior`.
     """
-    key = rng_lib.train_chain_key(random_seed, state.config.legacy_random_seed_behavior)
-    return rng_lib.run_keys(key, state.config.random_mode_train)
+    return rng_lib.seeded_run_keys(
+        random_seed, state.config.random_mode_train,
+        train_stream=not state.config.legacy_random_seed_behavior)
 
   def train_loop(self, config, state, periodic_actions, writer=None) -> None:
     """Runs training steps until `should_run_step` says stop.

@@ -69,8 +69,7 @@ def specialize_rng_host_device(rng, host_id, axis_name: str, mode: str):
   return rng
 
 
-@functools.partial(jax.jit, static_argnames=("mode",))
-def _specialize_per_device(keys, host_ids, mode):
+def _specialize_rows(keys, host_ids, mode):
   """`keys` is [devices, 2]; folds in host id and device position as `mode` says."""
   host_part, _, device_part, _ = mode.split("_")
   positions = jnp.arange(keys.shape[0])
@@ -83,6 +82,31 @@ def _specialize_per_device(keys, host_ids, mode):
     return key
 
   return jax.vmap(one_device)(keys, host_ids, positions)
+
+
+_specialize_per_device = jax.jit(_specialize_rows, static_argnames=("mode",))
+
+
+@functools.partial(jax.jit, static_argnames=("random_seed", "train_stream", "mode"))
+def _seeded_per_device_keys(host_ids, random_seed, train_stream, mode):
+  """`per_device_keys` of the seed's key (folded into the train stream if asked), in one
+  compiled function: start-up pays one compilation instead of three."""
+  key = jax.random.PRNGKey(random_seed)
+  if train_stream:
+    key = jax.random.fold_in(key, _TRAIN_STREAM)
+  return _specialize_rows(jnp.broadcast_to(key, (host_ids.shape[0], 2)), host_ids, mode)
+
+
+def seeded_run_keys(random_seed: int, mode: str, *, train_stream: bool):
+  """The run's starting keys from its seed: `run_keys` of the seed key, or of the
+  train chain key (`train_chain_key(seed, legacy=False)`) with `train_stream`."""
+  if mesh_lib.active_mesh() is not None:
+    key = train_chain_key(random_seed, not train_stream)
+    return mesh_key(key, mode)
+  check_random_mode(mode, "random_mode")
+  host_ids = np.full((jax.local_device_count(),), jax.process_index(), np.int32)
+  return devices.put_per_device(_seeded_per_device_keys(
+      host_ids, random_seed=random_seed, train_stream=train_stream, mode=mode))
 
 
 def per_device_keys(key, mode: str):
@@ -150,17 +174,30 @@ def _advance_steps(global_step, chain, num_steps):
   """The global steps, step keys and next chain keys of `num_steps` steps.
 
   `chain` is one key (mesh mode) or one per device (pmap mode, [devices, 2]).
+  A scan keeps compilation short whatever `num_steps` is; the results are
+  unstacked here so that each step gets ready arrays without a dispatch.
   """
   split = jax.vmap(jax.random.split) if chain.ndim == 2 else jax.random.split
-  steps, step_keys, chains = [], [], []
-  for _ in range(num_steps):
-    children = split(chain)
-    chain, step_key = children[:, 0], children[:, 1]
-    steps.append(global_step)
-    step_keys.append(step_key)
-    chains.append(chain)
-    global_step = global_step + 1
-  return steps, step_keys, chains, global_step
+
+  def advance(current, _):
+    children = split(current)  # [..., 2 (next chain, step key), 2]
+    next_chain = children[..., 0, :]
+    return next_chain, (children[..., 1, :], next_chain)
+
+  _, (step_keys, chains) = jax.lax.scan(advance, chain, length=num_steps)
+  steps = [global_step + i for i in range(num_steps)]
+  return (steps, [step_keys[i] for i in range(num_steps)],
+          [chains[i] for i in range(num_steps)], global_step + num_steps)
+
+
+def compile_ahead(random_seed: int, mode: str, train_stream: bool) -> None:
+  """Compiles the run's key functions by using them once; for a background thread.
+
+  Start-up otherwise waits for these compilations after the experiment is
+  built; run beside the experiment's construction, they overlap with it.
+  """
+  keys = seeded_run_keys(random_seed, mode, train_stream=train_stream)
+  jax.block_until_ready(StepInputs(0, keys).next())
 
 
 def step_counter(global_step: int, like):

@@ -188,9 +188,14 @@ def train(experiment_class, config, checkpointer, writer,
   state = checkpointer.get_experiment_state("latest")
   state.config = config
   state.global_step = 0
+  compiling = threading.Thread(
+      target=rng.compile_ahead, name="jaxline_ng_compile_ahead", daemon=True,
+      args=(config.random_seed, config.random_mode_train, not config.legacy_random_seed_behavior))
+  compiling.start()
   with experiment_lib.log_activity("experiment init"):
     state.experiment_module = experiment_class(
         "train", init_rng=rng.seed_key(config.random_seed), **config.experiment_kwargs)
+  compiling.join()
   state.train_step_rng = state.experiment_module.initialize_train_step_rng(
       config.random_seed, state)
   run_config = json.dumps(run_record.flat_config(config), sort_keys=True)
@@ -324,7 +329,8 @@ def evaluate(experiment_class, config, checkpointer, writer,
   best = None
   if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts):
     best = _BestTracker(config, checkpointer, experiment)
-  eval_rng = rng.run_keys(rng.seed_key(config.random_seed), config.random_mode_eval)
+  eval_rng = rng.seeded_run_keys(config.random_seed, config.random_mode_eval,
+                                 train_stream=False)
   evaluate_fn = experiment_lib.evaluate_should_return_dict(
       experiment_lib.keyword_filtered(experiment.evaluate))
 

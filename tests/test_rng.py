@@ -70,3 +70,12 @@ def test_step_key_is_not_the_next_chain_key():
   children = np.asarray(jax.vmap(jax.random.split)(key))
   for child in (children[:, 0], children[:, 1]):
     assert not np.array_equal(child, next_key)
+
+
+def test_seeded_keys_equal_the_step_by_step_derivation():
+  for mode in rng.RANDOM_MODES:
+    for train_stream in (False, True):
+      key = rng.train_chain_key(7, legacy_random_seed_behavior=not train_stream)
+      np.testing.assert_array_equal(
+          rng.seeded_run_keys(7, mode, train_stream=train_stream),
+          rng.per_device_keys(key, mode))
