@@ -14,12 +14,19 @@ was also busy with other work), Python 3.11's standard library:
   * `:smoke`: the tiny model for 10 steps, for tests.
 (Other Python versions ship slightly different text, so numbers vary a little.)
 
+Mesh mode (jit + NamedSharding instead of pmap), the weight matrices sharded
+over a `model` axis of 2 devices and the batch over `data`:
+
+  python examples/char_lm/experiment.py --config=examples/char_lm/experiment.py:tiny \
+      --config.placement=mesh --config.mesh_shape=data:-1,model:2
+
 What to look at when forking:
   * `get_config`: config arguments (`:tiny`), and a FieldReference tying the
     learning-rate schedule's length to `training_steps`.
   * `NON_BROADCAST_CHECKPOINT_ATTRS`: a host-side count of examples consumed,
     checkpointed whole, from which the data stream resumes.
   * `_update`: warmup + cosine learning rate, gradient clipping, pmean.
+  * `_place_for_mesh`: the same model in mesh mode, parameters sharded.
   * `evaluate`: bits per character over every held-out window.
 """
 
@@ -36,7 +43,7 @@ import optax
 from absl import app, flags, logging
 from ml_collections import config_dict
 
-from jaxline_ng import base_config, experiment, platform, utils
+from jaxline_ng import base_config, experiment, mesh, platform, utils
 
 # Bytes, not characters: no vocabulary to build or store, and these sources
 # are (almost) all ASCII, so bits per byte are bits per character.
@@ -223,19 +230,43 @@ class Experiment(experiment.AbstractExperiment):
     # Jitted: one compilation, not one per initializer op.
     init = jax.jit(self._net.init, static_argnames="is_training")
     params = init(init_rng, dummy, is_training=True)
-    self._params = utils.bcast_local_devices(params)
-    self._opt_state = utils.bcast_local_devices(self._optimizer.init(params))
     self._examples_seen = 0
-
-    self._update_pmap = jax.pmap(self._update, axis_name="i", donate_argnums=(0, 1))
+    self._mesh = mesh.active_mesh()
+    if self._mesh is None:
+      self._params = utils.bcast_local_devices(params)
+      self._opt_state = utils.bcast_local_devices(self._optimizer.init(params))
+      self._update_step = jax.pmap(self._update, axis_name="i", donate_argnums=(0, 1))
+    else:
+      self._place_for_mesh(params)
     self._eval_losses = jax.jit(self._eval_sum)
     self._train_input = None  # Built at the first step, after any restore.
     log_model_size(params, time.perf_counter() - start)
 
+  def _place_for_mesh(self, params):
+    """Mesh mode: weight matrices split over `model` (if the mesh has it), the rest replicated.
+
+    The optimizer's moments have the parameters' shapes and get the same
+    placement by the same rule; the update is one jit over global arrays.
+    """
+    model_axis_size = dict(self._mesh.shape).get("model", 1)
+
+    def place(tree):
+      def sharding(leaf):
+        if model_axis_size > 1 and leaf.ndim == 2 and leaf.shape[-1] % model_axis_size == 0:
+          return mesh.sharding(None, "model")
+        return mesh.sharding()
+      return jax.device_put(tree, jax.tree.map(sharding, tree))
+
+    self._params = place(params)
+    self._opt_state = place(self._optimizer.init(params))
+    self._update_step = jax.jit(functools.partial(self._update, axis_name=None),
+                                donate_argnums=(0, 1))
+
   # --- Training. ---
 
   def _train_batches(self, first_example: int):
-    """Yields [local devices, per-device batch, seq_len + 1] windows of bytes."""
+    """Yields [local devices, per-device batch, seq_len + 1] windows of bytes (pmap mode),
+    or the global [batch, seq_len + 1] batch sharded over `data` (mesh mode)."""
     num_local = jax.local_device_count()
     per_process = num_local * self._per_device_batch
     num_starts = len(self._train_text) - self.config.seq_len - 1
@@ -245,19 +276,27 @@ class Experiment(experiment.AbstractExperiment):
       mine = position + jax.process_index() * per_process
       starts = window_starts(mine, per_process, num_starts, self.config.data_seed)
       windows = self._train_text[starts[:, None] + offsets].astype(np.int32)
-      yield windows.reshape(num_local, self._per_device_batch, -1)
+      if self._mesh is None:
+        yield windows.reshape(num_local, self._per_device_batch, -1)
+      else:
+        yield mesh.global_batch(windows, "data")
       position += self.config.global_batch_size
 
-  def _update(self, params, opt_state, windows, rng, global_step):
+  def _update(self, params, opt_state, windows, rng, global_step, axis_name="i"):
+    """One step. pmap mode averages over devices along `axis_name`; in mesh mode
+    (`axis_name=None`) the arrays are global and the mean is already global."""
+    mean_over_devices = (lambda x: jax.lax.pmean(x, axis_name=axis_name)) if axis_name else (
+        lambda x: x)
+
     def loss_fn(p):
       logits = self._net.apply(p, rng, windows[:, :-1], is_training=True)
       return jnp.mean(next_byte_losses(logits, windows))
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    grads = jax.lax.pmean(grads, axis_name="i")
+    grads = mean_over_devices(grads)
     updates, opt_state = self._optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    scalars = {"train_bits_per_char": jax.lax.pmean(loss, axis_name="i") / math.log(2),
+    scalars = {"train_bits_per_char": mean_over_devices(loss) / math.log(2),
                "learning_rate": self._schedule(global_step),
                "grad_norm": optax.global_norm(grads)}
     return params, opt_state, scalars
@@ -267,10 +306,12 @@ class Experiment(experiment.AbstractExperiment):
     if self._train_input is None:
       # Resume the example stream where the restored counter says.
       first_example = self._examples_seen
-      self._train_input = utils.double_buffer(
-          utils.py_prefetch(lambda: self._train_batches(first_example)))
-    # `rng` (one key per device) drives dropout.
-    self._params, self._opt_state, scalars = self._update_pmap(
+      batches = utils.py_prefetch(lambda: self._train_batches(first_example))
+      # pmap mode copies each batch to the devices one step ahead; mesh mode's
+      # batches are placed already, on the prefetch thread.
+      self._train_input = utils.double_buffer(batches) if self._mesh is None else batches
+    # `rng` (one key per device in pmap mode, one key in mesh mode) drives dropout.
+    self._params, self._opt_state, scalars = self._update_step(
         self._params, self._opt_state, next(self._train_input), rng, global_step)
     # Counted when consumed, not when prefetched: a checkpoint taken after
     # this step must resume from the next unseen example.
@@ -285,7 +326,7 @@ class Experiment(experiment.AbstractExperiment):
 
   def evaluate(self, global_step, rng, writer):
     del rng, writer  # Deterministic; the framework writes the returned scalars.
-    params = utils.get_first(self._params)
+    params = utils.get_first(self._params) if self._mesh is None else self._params
     seq_len, batch_size = self.config.seq_len, self.config.eval_batch_size
     # Every held-out byte after the first is predicted once: consecutive
     # windows overlap by the one byte that is input to one and target of the other.
