@@ -195,6 +195,8 @@ def train(experiment_class, config, checkpointer, writer,
   with experiment_lib.log_activity("experiment init"):
     state.experiment_module = experiment_class(
         "train", init_rng=rng.seed_key(config.random_seed), **config.experiment_kwargs)
+  logging.info("[jaxline_ng] Checkpointed state: %s",
+               experiment_lib.describe_state(state.experiment_module))
   compiling.join()
   state.train_step_rng = state.experiment_module.initialize_train_step_rng(
       config.random_seed, state)

@@ -351,3 +351,8 @@ def test_overridden_snapshot_state_is_copied_before_donation():
     step = snapshot.pickle_nest["global_step"]
     np.testing.assert_array_equal(snapshot.pickle_nest["experiment_module"]["params"]["w"],
                                   np.full((jax.local_device_count(), 4), float(step)))
+
+
+def test_describe_state_counts_one_copy_of_replicated_state():
+  module = Donating("train", None)
+  assert experiment.describe_state(module) == "params: 4 values, 16 bytes"

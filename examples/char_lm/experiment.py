@@ -33,14 +33,13 @@ What to look at when forking:
 import functools
 import math
 import os
-import time
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_dict
 
 from jaxline_ng import base_config, experiment, mesh, platform, utils
@@ -184,13 +183,6 @@ def next_byte_losses(logits, windows):
   return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
 
 
-def log_model_size(params, seconds: float) -> None:
-  """Logs the parameter count and bytes, and how long initialisation took."""
-  leaves = jax.tree.leaves(params)
-  logging.info("Model: %d parameters, %d bytes; initialised in %.2fs.",
-               sum(x.size for x in leaves), sum(x.nbytes for x in leaves), seconds)
-
-
 # ----------------------------------------------------------------------------
 # Experiment.
 # ----------------------------------------------------------------------------
@@ -206,7 +198,6 @@ class Experiment(experiment.AbstractExperiment):
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode=mode, init_rng=init_rng)
-    start = time.perf_counter()
     self.config = config
 
     if config.global_batch_size % jax.device_count():
@@ -240,7 +231,6 @@ class Experiment(experiment.AbstractExperiment):
       self._place_for_mesh(params)
     self._eval_losses = jax.jit(self._eval_sum)
     self._train_input = None  # Built at the first step, after any restore.
-    log_model_size(params, time.perf_counter() - start)
 
   def _place_for_mesh(self, params):
     """Mesh mode: weight matrices split over `model` (if the mesh has it), the rest replicated.

@@ -26,14 +26,13 @@ What to look at when forking:
 
 import functools
 import itertools
-import time
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_dict
 from sklearn import datasets
 
@@ -177,13 +176,6 @@ def convnet(images, is_training: bool, *, channels, hidden, dropout_rate):
   return hk.Linear(NUM_CLASSES)(x)
 
 
-def log_model_size(params, seconds: float) -> None:
-  """Logs the parameter count and bytes, and how long initialisation took."""
-  leaves = jax.tree.leaves(params)
-  logging.info("Model: %d parameters, %d bytes; initialised in %.2fs.",
-               sum(x.size for x in leaves), sum(x.nbytes for x in leaves), seconds)
-
-
 # ----------------------------------------------------------------------------
 # Experiment.
 # ----------------------------------------------------------------------------
@@ -198,7 +190,6 @@ class Experiment(experiment.AbstractExperiment):
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode=mode, init_rng=init_rng)
-    start = time.perf_counter()
     self.config = config
 
     # Every device gets an equal share of the batch; say so at start-up, not
@@ -226,7 +217,6 @@ class Experiment(experiment.AbstractExperiment):
     self._update_pmap = jax.pmap(self._update, axis_name="i", donate_argnums=(0, 1))
     self._eval_batch = jax.jit(self._eval_sums)
     self._train_input = None  # Built at the first step, once the start step is known.
-    log_model_size(params, time.perf_counter() - start)
 
   # --- Training. ---
 
