@@ -96,10 +96,11 @@ class AbstractExperiment(abc.ABC):
     """One copy of every checkpointed attribute, keyed by checkpoint name.
 
     In pmap mode CHECKPOINT_ATTRS are read from the first device; in mesh
-    mode they are global arrays and taken whole. Either way the arrays
-    returned are fresh buffers (slices or copies), so the caller may keep
-    them while training donates the live ones; an override should return
-    fresh arrays too, or the checkpointer copies what it returns.
+    mode they are global arrays and taken whole. Either way the device
+    arrays returned, NON_BROADCAST_CHECKPOINT_ATTRS' included, are fresh
+    buffers (slices or copies), so the caller may keep them while training
+    donates the live ones; an override should return fresh arrays too, or
+    the checkpointer copies what it returns.
     """
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     if not attrs and not non_broadcast_attrs:
@@ -109,7 +110,8 @@ class AbstractExperiment(abc.ABC):
     one_copy = devices.get_first if mesh_lib.active_mesh() is None else devices.fresh_copies
     snapshot = {name: one_copy(getattr(self, attr)) for attr, name in attrs.items()}
     for attr, name in non_broadcast_attrs.items():
-      snapshot[name] = getattr(self, attr)
+      # Host values pass through; device arrays are copied (no dispatch without any).
+      snapshot[name] = devices.fresh_copies(getattr(self, attr))
     return snapshot
 
   def restore_from_snapshot(self, snapshot_state: Mapping[str, Any]) -> None:
