@@ -114,11 +114,6 @@ def device_snapshot(state: ExperimentState) -> dict[str, Any]:
   return nest
 
 
-def host_snapshot(state: ExperimentState) -> dict[str, Any]:
-  """`device_snapshot(state)` copied to host memory (waits for the devices)."""
-  return jax.device_get(device_snapshot(state))
-
-
 class SaveWorker:
   """One background thread that finishes saves in the order they were made.
 

@@ -95,20 +95,32 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
   return tuple(_rebuild(v, leaves) for v in skeleton["tuple"])
 
 
+_MODULE_PREFIX = "experiment_module/"
+
+
+def _named_entries(nest: dict[str, Any]) -> dict[str, Any]:
+  """A snapshot as flat entries: its own values by name, the experiment's as
+  `experiment_module/<checkpoint name>`."""
+  module = nest.get("experiment_module") or {}
+  return {**{k: v for k, v in nest.items() if k != "experiment_module"},
+          **{_MODULE_PREFIX + k: v for k, v in module.items()}}
+
+
+def _unstorable(name: str, path, leaf: Any) -> CheckpointFormatError:
+  return CheckpointFormatError(
+      f"cannot checkpoint {_entry_name(name, path)}: a {type(leaf).__name__} is "
+      "neither an array nor a plain Python value (int, float, bool, str)")
+
+
 def check_storable(nest: dict[str, Any]) -> None:
   """Raises CheckpointFormatError naming the first value `encode` could not store.
 
   Cheap (no copies), so a save can fail on the caller's thread, at once.
   """
-  module = nest.get("experiment_module") or {}
-  named = {**{k: v for k, v in nest.items() if k != "experiment_module"},
-           **{f"experiment_module/{k}": v for k, v in module.items()}}
-  for name, value in named.items():
+  for name, value in _named_entries(nest).items():
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
       if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_PLAIN_VALUES)):
-        raise CheckpointFormatError(
-            f"cannot checkpoint {_entry_name(name, path)}: a {type(leaf).__name__} is "
-            "neither an array nor a plain Python value (int, float, bool, str)")
+        raise _unstorable(name, path, leaf)
 
 
 def encode(nest: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -118,11 +130,7 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]
   array nor a plain Python value.
   """
   arrays, entries = {}, {}
-  flat_nest = dict(nest)
-  module = flat_nest.pop("experiment_module", None) or {}
-  named = {**{k: v for k, v in flat_nest.items()},
-           **{f"experiment_module/{k}": v for k, v in module.items()}}
-  for name, value in named.items():
+  for name, value in _named_entries(nest).items():
     leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(value)
     leaves = []
     for path, leaf in leaves_with_paths:
@@ -133,9 +141,7 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]
       elif isinstance(leaf, _PLAIN_VALUES):
         leaves.append({"value": leaf})
       else:
-        raise CheckpointFormatError(
-            f"cannot checkpoint {_entry_name(name, path)}: a {type(leaf).__name__} is "
-            "neither an array nor a plain Python value (int, float, bool, str)")
+        raise _unstorable(name, path, leaf)
     entries[name] = {"leaves": leaves, "skeleton": _skeleton(value)}
   return arrays, {"format": 1, "entries": entries}
 
@@ -143,12 +149,10 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]
 def decode(arrays: dict[str, np.ndarray], meta: dict[str, Any],
            live_nest: dict[str, Any]) -> dict[str, Any]:
   """Rebuilds a snapshot, in the structure of `live_nest` where it has one."""
-  live_module = live_nest.get("experiment_module") or {}
-  live = {**{k: v for k, v in live_nest.items() if k != "experiment_module"},
-          **{f"experiment_module/{k}": v for k, v in live_module.items()}}
+  live = _named_entries(live_nest)
   nest: dict[str, Any] = {}
   for name, entry in meta["entries"].items():
-    if name.startswith("experiment_module/") and "experiment_module" not in live_nest:
+    if name.startswith(_MODULE_PREFIX) and "experiment_module" not in live_nest:
       continue  # The caller restores only the run's own values (e.g. the best metric).
     leaves = [arrays[leaf["array"]] if "array" in leaf else leaf["value"]
               for leaf in entry["leaves"]]
@@ -165,8 +169,8 @@ def decode(arrays: dict[str, np.ndarray], meta: dict[str, Any],
       raise CheckpointFormatError(
           f"checkpoint entry {name} has {len(leaves)} leaves but the experiment's "
           f"has {None if live_treedef is None else live_treedef.num_leaves}")
-    if name.startswith("experiment_module/"):
-      nest.setdefault("experiment_module", {})[name.split("/", 1)[1]] = value
+    if name.startswith(_MODULE_PREFIX):
+      nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value
     else:
       nest[name] = value
   return nest

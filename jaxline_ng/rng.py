@@ -98,8 +98,9 @@ def _seeded_per_device_keys(host_ids, random_seed, train_stream, mode):
 
 
 def seeded_run_keys(random_seed: int, mode: str, *, train_stream: bool):
-  """The run's starting keys from its seed: `run_keys` of the seed key, or of the
-  train chain key (`train_chain_key(seed, legacy=False)`) with `train_stream`."""
+  """The run's starting keys from its seed, placed for the run: per device
+  (`per_device_keys`) or one (`mesh_key`), of the seed key or, with
+  `train_stream`, of `train_chain_key(seed, legacy=False)`."""
   if mesh_lib.active_mesh() is not None:
     key = train_chain_key(random_seed, not train_stream)
     return mesh_key(key, mode)
@@ -139,13 +140,6 @@ def mesh_key(key, mode: str):
           "jax.lax.axis_index where keys must differ")
     key = jax.random.fold_in(key, jax.process_index())
   return mesh_lib.replicate(np.asarray(jax.device_get(key)))
-
-
-def run_keys(key, mode: str):
-  """`key` specialised for the run's placement: per device (pmap) or one (mesh)."""
-  if mesh_lib.active_mesh() is None:
-    return per_device_keys(key, mode)
-  return mesh_key(key, mode)
 
 
 def place_chain(value):
