@@ -43,6 +43,9 @@ class ExperimentState:
   `train_step_rng` (per-device chain key), `experiment_module` (the
   experiment), `config`; on the `best` series also `best_eval_metric_value`.
   Supports `name in state` like jaxline's ConfigDict state did.
+
+  The training loop sets `train_step_rng` to an `rng.PendingChainKey` each
+  step; reading the attribute turns it into the key array, once.
   """
 
   def __init__(self):
@@ -51,11 +54,22 @@ class ExperimentState:
     self.experiment_module = None
     self.config = None
 
+  @property
+  def train_step_rng(self):
+    value = vars(self)["train_step_rng"]
+    if isinstance(value, rng.PendingChainKey):
+      value = vars(self)["train_step_rng"] = value.resolve()
+    return value
+
+  @train_step_rng.setter
+  def train_step_rng(self, value):
+    vars(self)["train_step_rng"] = value
+
   def __contains__(self, name: str) -> bool:
     return name in vars(self)
 
   def snapshotted_items(self) -> dict[str, Any]:
-    return {k: v for k, v in vars(self).items() if k not in _NOT_SNAPSHOTTED}
+    return {k: getattr(self, k) for k in vars(self) if k not in _NOT_SNAPSHOTTED}
 
 
 class Checkpointer(Protocol):
