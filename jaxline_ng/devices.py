@@ -63,8 +63,30 @@ def _drop_leading_axis(tree):
 
 def _first_shard(leaf):
   if isinstance(leaf, jax.Array) and len(leaf.addressable_shards) > 1:
-    return leaf.addressable_shards[0].data
+    return leaf.addressable_data(0)
   return leaf
+
+
+def _first_shard_if_one_copy(leaf):
+  if not isinstance(leaf, jax.Array) or len(leaf.addressable_shards) < 2:
+    return leaf
+  shard = leaf.addressable_data(0)
+  if leaf.is_fully_replicated or (
+      shard.ndim and shard.shape[0] == 1 and leaf.shape[0] == len(leaf.addressable_shards)):
+    return shard
+  return leaf
+
+
+def first_shards(tree: Any) -> Any:
+  """`tree` with each multi-device array read on the first local device where that suffices.
+
+  A replicated array becomes its first shard (the whole value), a per-device
+  (pmap) array its first row, kept as a `[1, ...]` array; other leaves are
+  unchanged. Host code that reads one copy of step outputs (logging, the
+  non-finite guard) then transfers one buffer per array instead of one per
+  device. No dispatch, no copy: the shards are the inputs' own buffers.
+  """
+  return jax.tree.map(_first_shard_if_one_copy, tree)
 
 
 def get_first(tree: Any) -> Any:

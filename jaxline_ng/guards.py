@@ -9,27 +9,36 @@
 - "warn": the same message is logged once per bad step and training goes on;
 - "off": no checking.
 
-The guard adds no host synchronisation per step: it keeps a reference to each
-step's scalars (which stay on device) and reads all pending ones in a single
-transfer on a background thread when they are logged anyway or when
-`MAX_PENDING` have piled up, and synchronously right before a checkpoint is
-saved (which waits for the state anyway). Reading every step, not only the
-logged ones, is what lets it name the first bad step.
+The guard adds no host synchronisation per step, and next to nothing to the
+loop's thread: it keeps a reference to each step's scalars (which stay on
+device) and every `BATCH` steps hands them to its own thread, which reduces
+them on device to one flag per step and reads the flags, one small transfer
+per batch, once those steps have run. A failure found there is raised on the
+loop's thread by the guard's next call; `check()` covers the steps not yet
+in a batch, and runs before every checkpoint is saved. Checking every step,
+not only the logged ones, is what lets it name the first bad step.
+
+What is checked is what is logged: a per-device (pmap) scalar is read on the
+first local device, so a value that is non-finite only on another device is
+caught once it reaches the first one (a `pmean` of gradients takes it there
+in the next step).
 """
 
 import math
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from jaxline_ng import devices
 from jaxline_ng import periodic
 
 POLICIES = ("halt", "warn", "off")
-# Steps whose scalars may wait to be read; bounds the references held.
-MAX_PENDING = 1000
+# Steps reduced on device together: one dispatch and one flag array per batch.
+BATCH = 32
 
 
 class NonFiniteError(FloatingPointError):
@@ -46,54 +55,113 @@ def non_finite_names(scalars: Mapping[str, Any]) -> list[str]:
   return sorted(bad)
 
 
+@jax.jit
+def _finite_rows(rows):
+  """For each row (one step's floating-point arrays), whether all are finite."""
+  return jnp.stack([jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in row]))
+                    if row else jnp.bool_(True) for row in rows])
+
+
+class _Batch:
+  """Up to `BATCH` steps' scalars, checked together."""
+
+  def __init__(self, entries: list[tuple[int, Any]]):
+    self.entries = entries
+
+  def bad_steps(self) -> list[tuple[int, Any]]:
+    """The entries with a non-finite scalar; waits for their steps to run."""
+    rows, device, host_ok = [], None, [True] * len(self.entries)
+    for index, (_, scalars) in enumerate(self.entries):
+      row = []
+      for leaf in jax.tree.leaves(scalars):
+        leaf = devices.first_shards(leaf)
+        if isinstance(leaf, jax.Array) and len(leaf.devices()) == 1 and \
+            device in (None, *leaf.devices()):
+          if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            device = device or next(iter(leaf.devices()))
+            row.append(leaf)
+        elif non_finite_names({"": leaf}):
+          host_ok[index] = False
+      rows.append(row)
+    # A fixed number of rows keeps the reduction to one compilation: a
+    # partial batch repeats its last row.
+    rows += [rows[-1]] * (BATCH - len(rows))
+    flags = np.asarray(_finite_rows(rows))
+    return [entry for entry, ok, ok_on_host in zip(self.entries, flags, host_ok)
+            if not (ok and ok_on_host)]
+
+
 class NonFiniteGuard:
   """Collects each step's scalars and checks them in batches.
 
-  Call it after every step (as a periodic action); `check()` reads what has
-  accumulated. Safe to call from the loop thread and a logging thread.
+  Call it after every step (as a periodic action), and `seal`, on the loop's
+  thread; what `seal` returns may run on any thread.
   """
 
   def __init__(self, policy: str):
     self._policy = policy
-    self._pending: list[tuple[int, Any]] = []
-    self._pending_lock = threading.Lock()  # Uncontended per step: ~0.1 us.
-    self._check_lock = threading.Lock()
+    self._filling: list[tuple[int, Any]] = []
+    self._submitted = None  # (future, last step) of the newest batch handed over.
     self._failure: NonFiniteError | None = None
-    self.check_in_background = periodic.make_async("non_finite_guard")(self.check)
+    self._failure_step = None
+    self._check_in_background = periodic.make_async("non_finite_guard")(self._check)
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     if self._failure is not None:
       raise self._failure
-    if self._policy != "off" and scalars:
-      with self._pending_lock:
-        self._pending.append((step, scalars))
-        backlog = len(self._pending)
-      if backlog == MAX_PENDING:
-        self.check_in_background()
+    if self._policy == "off" or not scalars:
+      return
+    self._filling.append((step, scalars))
+    if len(self._filling) == BATCH:
+      self._submit()
+
+  def _submit(self) -> None:
+    batch, self._filling = _Batch(self._filling), []
+    self._submitted = (self._check_in_background(batch), batch.entries[-1][0])
+
+  def seal(self) -> Callable[[], None]:
+    """Hands over every step so far; returns a check of exactly those steps.
+
+    The check waits for them to be read and raises `NonFiniteError` (policy
+    "halt") if one was not finite. A save validated with it is never vetoed
+    by a later step.
+    """
+    if self._filling:
+      self._submit()
+    submitted = self._submitted
+
+    def check_sealed_steps() -> None:
+      if submitted is None:
+        return
+      future, last_step = submitted
+      future.result()  # Batches run in order: every sealed step has been read.
+      if self._failure is not None and self._failure_step <= last_step:
+        raise self._failure
+
+    return check_sealed_steps
 
   def check(self) -> None:
-    """Reads pending scalars; raises (halt) or logs (warn) on the first bad step."""
-    with self._check_lock:
-      if self._failure is not None:
-        raise self._failure
-      with self._pending_lock:
-        pending, self._pending = self._pending, []
-      if not pending:
-        return
-      fetched = jax.device_get([dict(scalars) for _, scalars in pending])
-      for (step, _), values in zip(pending, fetched):
-        bad = non_finite_names(values)
-        if not bad:
-          continue
-        # `step` counts steps completed, so the step that produced it saw step - 1.
-        message = (f"non-finite training scalars {', '.join(bad)} at step {step} "
-                   f"(the step called with global_step={step - 1})")
-        if self._policy == "warn":
-          logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
-          continue
-        self._failure = NonFiniteError(
-            f"{message}; stopped without saving it (non_finite_policy='halt')")
-        raise self._failure
+    """Checks every step so far; raises (halt) or logs (warn) on the first bad one."""
+    self.seal()()
+
+  def _check(self, batch: _Batch) -> None:
+    if self._failure is not None:
+      return
+    for step, scalars in batch.bad_steps():
+      self._report(step, jax.device_get(devices.first_shards(dict(scalars))))
+
+  def _report(self, step: int, values: Mapping[str, Any]) -> None:
+    bad = non_finite_names(values)
+    # `step` counts steps completed, so the step that produced it saw step - 1.
+    message = (f"non-finite training scalars {', '.join(bad)} at step {step} "
+               f"(the step called with global_step={step - 1})")
+    if self._policy == "warn":
+      logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
+      return
+    self._failure_step = step
+    self._failure = NonFiniteError(
+        f"{message}; stopped without saving it (non_finite_policy='halt')")
+    raise self._failure
 
   def finish(self) -> None:
     self.check()

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
+from jaxline_ng import devices
+
 
 def make_async(thread_name_prefix: str = ""):
   """Decorator: calls run on one background thread, in call order.
@@ -74,6 +76,9 @@ class PeriodicAction:
     run_on_final_step: `finish()` runs the action for the last step it saw
       if that step was not acted on (logging wants this; checkpointing, which
       saves at the end anyway, does not).
+    first_device_only: with `run_async`, copy to the host only the first
+      local device's copy of per-device and replicated arrays
+      (`devices.first_shards`): all that logging reads.
   """
 
   def __init__(self,
@@ -85,7 +90,8 @@ class PeriodicAction:
                run_async: bool = True,
                log_all_data: bool = False,
                logging_growth_ratios: Optional[Sequence[float]] = None,
-               run_on_final_step: bool = True):
+               run_on_final_step: bool = True,
+               first_device_only: bool = False):
     if interval_type not in ("secs", "steps"):
       raise ValueError(f"interval_type={interval_type!r} must be 'secs' or 'steps'")
     self._fn = fn
@@ -96,6 +102,7 @@ class PeriodicAction:
     self._log_all_data = log_all_data
     self._pending: list[tuple[int, Any]] = []
     self._run_on_final_step = run_on_final_step
+    self._first_device_only = first_device_only
     self._last_call: Optional[tuple[float, int, Any]] = None
     self._last_acted_step: Optional[int] = None
     self._growth = iter(_growth_steps(logging_growth_ratios)) if logging_growth_ratios else None
@@ -158,7 +165,8 @@ class PeriodicAction:
   def _run_items(self, items: list[tuple[float, int, Any]], to_host: bool) -> None:
     scalars = [item[2] for item in items]
     if to_host:  # On the background thread: one transfer for the whole batch.
-      scalars = jax.device_get(scalars)
+      scalars = jax.device_get(devices.first_shards(scalars) if self._first_device_only
+                               else scalars)
     for (t, step, _), host_scalars in zip(items, scalars):
       self._fn(t, step, host_scalars)
 

@@ -18,6 +18,7 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import base_config
+from jaxline_ng import devices
 from jaxline_ng import experiment as experiment_lib
 from jaxline_ng import guards
 from jaxline_ng import mesh as mesh_lib
@@ -42,7 +43,7 @@ def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   experiment did not reduce with `get_first`); the first device's copy is
   taken then. Anything else is an error naming the scalar.
   """
-  values = jax.device_get(dict(scalars))
+  values = jax.device_get(devices.first_shards(dict(scalars)))
   result = {}
   for name, value in values.items():
     array = np.asarray(value)
@@ -100,8 +101,9 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
                               guard: guards.NonFiniteGuard):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
-  Logging reads the guard's pending scalars on its own thread; a save reads
-  them first, on the loop's thread, so a non-finite state is never saved.
+  The guard reads every step's scalars in batches on its own thread; each
+  save is validated against all steps up to it, so a non-finite state is
+  never saved.
 
   Each action's interval continues from the `(time, step)` it last acted at
   in the restored run (`state.periodic_action_times`), so resuming does not
@@ -120,20 +122,18 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   log_telemetry = _Telemetry(config.training_steps, now, start_step)
 
   def log_progress(t, step, scalars):
-    guard.check()
     values = host_scalars(scalars)
     logging.info(log_telemetry.progress_line(step, log_telemetry.steps_per_sec(t, step), values))
 
   # Logging starts at time 0 so the first step is logged at once.
   actions["log"] = periodic.PeriodicAction(
       log_progress, logging_type, config.log_tensors_interval,
-      logging_growth_ratios=growth, **last_acted("log", 0.0))
+      logging_growth_ratios=growth, first_device_only=True, **last_acted("log", 0.0))
 
   if writer is not None and config.log_train_data_interval is not None:
     write_telemetry = _Telemetry(config.training_steps, now, start_step)
 
     def write_scalars(t, step, scalars):
-      guard.check()
       values = host_scalars(scalars)
       steps_per_sec = write_telemetry.steps_per_sec(t, step)
       if steps_per_sec is not None:
@@ -143,7 +143,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     actions["write"] = periodic.PeriodicAction(
         write_scalars, logging_type, config.log_train_data_interval,
         log_all_data=config.log_all_train_data, logging_growth_ratios=growth,
-        **last_acted("write", 0.0))
+        first_device_only=True, **last_acted("write", 0.0))
 
   saved_at = [None]
   # jaxline_ng's checkpointers run the guard on their save worker (waiting for
@@ -157,7 +157,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
                                    if isinstance(action, periodic.PeriodicAction)}
     if validates:
-      checkpointer.save("latest", validate=guard.check)
+      checkpointer.save("latest", validate=guard.seal())
     else:
       guard.check()
       checkpointer.save("latest")

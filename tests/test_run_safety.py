@@ -82,6 +82,32 @@ def test_halt_without_per_step_checkpoints_still_names_first_bad_step():
       not utils.GLOBAL_CHECKPOINT_DICT["latest"].history
 
 
+class ExplodingLate(Exploding):
+  BAD_FROM = guards.BATCH + 7
+
+
+def test_halt_names_a_bad_step_in_a_later_batch():
+  with pytest.raises(guards.NonFiniteError, match=f"at step {guards.BATCH + 8} "):
+    run(make_config(training_steps=3 * guards.BATCH, save_checkpoint_interval=10**6,
+                    log_tensors_interval=10**6), ExplodingLate)
+
+
+def test_a_sealed_check_covers_exactly_the_steps_before_it():
+  guard = guards.NonFiniteGuard("halt")
+  double = jax.pmap(lambda x: 2.0 * x, axis_name="i")
+  ones = utils.bcast_local_devices(jnp.float32(1.0))
+  for step in range(1, 11):
+    guard(0.0, step, {"loss": double(ones)})
+  before_nan = guard.seal()
+  guard(0.0, 11, {"loss": double(ones * jnp.nan)})
+  after_nan = guard.seal()
+  before_nan()  # A save at step 10 is not vetoed by step 11.
+  with pytest.raises(guards.NonFiniteError, match="loss at step 11 "):
+    after_nan()
+  with pytest.raises(guards.NonFiniteError):
+    guard(0.0, 12, {"loss": double(ones)})
+
+
 def test_warn_continues_and_off_is_silent(caplog):
   run(make_config(non_finite_policy="warn"))
   assert latest_step() == 12
