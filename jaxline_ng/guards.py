@@ -9,23 +9,19 @@
 - "warn": the same message is logged once per bad step and training goes on;
 - "off": no checking.
 
-The guard adds no host synchronisation per step, and next to nothing to the
+The guard adds no host synchronisation per step and little work to the
 loop's thread: it keeps a reference to each step's scalars (which stay on
-device) and every `BATCH` steps hands them to its own thread, which reduces
-them on device to one flag per step and reads the flags, one small transfer
-per batch, once those steps have run. A failure found there is raised on the
-loop's thread by the guard's next call; `check()` covers the steps not yet
-in a batch, and runs before every checkpoint is saved. Checking every step,
-not only the logged ones, is what lets it name the first bad step.
-
-What is checked is what is logged: a per-device (pmap) scalar is read on the
-first local device, so a value that is non-finite only on another device is
-caught once it reaches the first one (a `pmean` of gradients takes it there
-in the next step).
+device); every `BATCH` steps it dispatches one reduction of those steps'
+scalars to one flag per step, and its own thread reads the flags (one small
+transfer per batch) once those steps have run. A failure found there is
+raised on the loop's thread by the guard's next call. `seal()` hands over
+the steps not yet in a batch, and every save is validated with it. Checking
+every step, not only the logged ones, is what lets it name the first bad
+step; every device's copy of a per-device scalar is checked.
 """
 
+import functools
 import math
-import threading
 from typing import Any, Callable, Mapping
 
 import jax
@@ -33,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from jaxline_ng import devices
 from jaxline_ng import periodic
 
 POLICIES = ("halt", "warn", "off")
@@ -62,33 +57,45 @@ def _finite_rows(rows):
                     if row else jnp.bool_(True) for row in rows])
 
 
+@functools.cache
+def _is_inexact(dtype) -> bool:
+  return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
 class _Batch:
-  """Up to `BATCH` steps' scalars, checked together."""
+  """Up to `BATCH` steps' scalars, checked together.
 
-  def __init__(self, entries: list[tuple[int, Any]]):
+  Made on the loop's thread, which also dispatches the on-device reduction:
+  a dispatch from the thread that runs the steps keeps the order of device
+  work the same on every process. `bad_steps` reads the result, on any thread.
+  """
+
+  def __init__(self, entries: list[tuple[int, Any]], treedef):
     self.entries = entries
-
-  def bad_steps(self) -> list[tuple[int, Any]]:
-    """The entries with a non-finite scalar; waits for their steps to run."""
-    rows, device, host_ok = [], None, [True] * len(self.entries)
-    for index, (_, scalars) in enumerate(self.entries):
-      row = []
-      for leaf in jax.tree.leaves(scalars):
-        leaf = devices.first_shards(leaf)
-        if isinstance(leaf, jax.Array) and len(leaf.devices()) == 1 and \
-            device in (None, *leaf.devices()):
-          if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            device = device or next(iter(leaf.devices()))
-            row.append(leaf)
-        elif non_finite_names({"": leaf}):
-          host_ok[index] = False
-      rows.append(row)
+    self._flags = None  # Device bool[BATCH]: False where a step's arrays are not finite.
+    rows, self._host_values = [], []
+    for _, scalars in entries:
+      leaves, step_treedef = jax.tree.flatten(scalars)
+      if step_treedef != treedef:
+        return  # Scalars that change shape from step to step are read on the host.
+      rows.append([x for x in leaves if isinstance(x, jax.Array) and _is_inexact(x.dtype)])
+      self._host_values.append([x for x in leaves if not isinstance(x, jax.Array)])
     # A fixed number of rows keeps the reduction to one compilation: a
     # partial batch repeats its last row.
     rows += [rows[-1]] * (BATCH - len(rows))
-    flags = np.asarray(_finite_rows(rows))
-    return [entry for entry, ok, ok_on_host in zip(self.entries, flags, host_ok)
-            if not (ok and ok_on_host)]
+    try:
+      self._flags = _finite_rows(rows)
+    except ValueError:  # Arrays on different devices: read them on the host.
+      self._host_values = []
+
+  def bad_steps(self) -> list[tuple[int, Any]]:
+    """The entries with a non-finite scalar; waits for their steps to run."""
+    if self._flags is None:
+      values = jax.device_get([dict(scalars) for _, scalars in self.entries])
+      return [entry for entry, host in zip(self.entries, values) if non_finite_names(host)]
+    flags = np.asarray(self._flags)
+    return [entry for entry, ok, host in zip(self.entries, flags, self._host_values)
+            if not ok or non_finite_names(dict(enumerate(host)))]
 
 
 class NonFiniteGuard:
@@ -101,6 +108,7 @@ class NonFiniteGuard:
   def __init__(self, policy: str):
     self._policy = policy
     self._filling: list[tuple[int, Any]] = []
+    self._treedef = None  # Of the first step's scalars.
     self._submitted = None  # (future, last step) of the newest batch handed over.
     self._failure: NonFiniteError | None = None
     self._failure_step = None
@@ -111,12 +119,14 @@ class NonFiniteGuard:
       raise self._failure
     if self._policy == "off" or not scalars:
       return
+    if self._treedef is None:
+      self._treedef = jax.tree.structure(scalars)
     self._filling.append((step, scalars))
     if len(self._filling) == BATCH:
       self._submit()
 
   def _submit(self) -> None:
-    batch, self._filling = _Batch(self._filling), []
+    batch, self._filling = _Batch(self._filling, self._treedef), []
     self._submitted = (self._check_in_background(batch), batch.entries[-1][0])
 
   def seal(self) -> Callable[[], None]:
@@ -148,7 +158,7 @@ class NonFiniteGuard:
     if self._failure is not None:
       return
     for step, scalars in batch.bad_steps():
-      self._report(step, jax.device_get(devices.first_shards(dict(scalars))))
+      self._report(step, jax.device_get(dict(scalars)))
 
   def _report(self, step: int, values: Mapping[str, Any]) -> None:
     bad = non_finite_names(values)

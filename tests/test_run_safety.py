@@ -10,10 +10,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from jaxline_ng import base_config, checkpointing, experiment, guards, platform, preemption
+from jaxline_ng import base_config, checkpointing, devices, experiment, guards, platform
+from jaxline_ng import preemption
 from jaxline_ng import run_record, train, utils
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,6 +108,23 @@ def test_a_sealed_check_covers_exactly_the_steps_before_it():
     after_nan()
   with pytest.raises(guards.NonFiniteError):
     guard(0.0, 12, {"loss": double(ones)})
+
+
+def test_a_nan_on_another_device_than_the_first_is_caught():
+  guard = guards.NonFiniteGuard("halt")
+  values = np.ones(jax.local_device_count(), np.float32)
+  values[-1] = np.nan
+  guard(0.0, 1, {"loss": devices.put_per_device(values)})
+  with pytest.raises(guards.NonFiniteError, match="loss at step 1 "):
+    guard.check()
+
+
+def test_scalars_that_change_from_step_to_step_are_checked_too():
+  guard = guards.NonFiniteGuard("halt")
+  guard(0.0, 1, {"loss": jnp.float32(1.0)})
+  guard(0.0, 2, {"loss": jnp.float32(1.0), "grad_norm": jnp.float32(np.inf), "tag": "x"})
+  with pytest.raises(guards.NonFiniteError, match="grad_norm at step 2 "):
+    guard.check()
 
 
 def test_warn_continues_and_off_is_silent(caplog):
