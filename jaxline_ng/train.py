@@ -101,8 +101,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
                               guard: guards.NonFiniteGuard):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
-  The guard reads every step's scalars in batches on its own thread; each
-  save is validated against all steps up to it, so a non-finite state is
+  The guard sees what logging and writing copy to the host, and each save
+  is validated against the newest step before it, so a non-finite state is
   never saved.
 
   Each action's interval continues from the `(time, step)` it last acted at
@@ -123,6 +123,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
 
   def log_progress(t, step, scalars):
     values = host_scalars(scalars)
+    guard.observe(step, values)
     logging.info(log_telemetry.progress_line(step, log_telemetry.steps_per_sec(t, step), values))
 
   # Logging starts at time 0 so the first step is logged at once.
@@ -135,6 +136,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
 
     def write_scalars(t, step, scalars):
       values = host_scalars(scalars)
+      guard.observe(step, values)
       steps_per_sec = write_telemetry.steps_per_sec(t, step)
       if steps_per_sec is not None:
         values["steps_per_sec"] = steps_per_sec

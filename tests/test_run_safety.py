@@ -85,13 +85,14 @@ def test_halt_without_per_step_checkpoints_still_names_first_bad_step():
 
 
 class ExplodingLate(Exploding):
-  BAD_FROM = guards.BATCH + 7
+  BAD_FROM = 37
 
 
-def test_halt_names_a_bad_step_in_a_later_batch():
-  with pytest.raises(guards.NonFiniteError, match=f"at step {guards.BATCH + 8} "):
-    run(make_config(training_steps=3 * guards.BATCH, save_checkpoint_interval=10**6,
-                    log_tensors_interval=10**6), ExplodingLate)
+def test_halt_names_the_first_bad_step_long_after_the_last_check():
+  with pytest.raises(guards.NonFiniteError, match="at step 38 "):
+    run(make_config(training_steps=100, save_checkpoint_interval=10**6,
+                    log_tensors_interval=90, periodic_action_growth_ratios=None),
+        ExplodingLate)
 
 
 def test_a_sealed_check_covers_exactly_the_steps_before_it():
@@ -110,13 +111,24 @@ def test_a_sealed_check_covers_exactly_the_steps_before_it():
     guard(0.0, 12, {"loss": double(ones)})
 
 
-def test_a_nan_on_another_device_than_the_first_is_caught():
+def test_a_nan_on_another_device_is_named_once_it_reaches_the_first():
   guard = guards.NonFiniteGuard("halt")
-  values = np.ones(jax.local_device_count(), np.float32)
-  values[-1] = np.nan
-  guard(0.0, 1, {"loss": devices.put_per_device(values)})
-  with pytest.raises(guards.NonFiniteError, match="loss at step 1 "):
+  only_last = np.ones(jax.local_device_count(), np.float32)
+  only_last[-1] = np.nan
+  guard(0.0, 1, {"loss": devices.put_per_device(np.ones_like(only_last))})
+  guard(0.0, 2, {"loss": devices.put_per_device(only_last)})
+  guard(0.0, 3, {"loss": devices.put_per_device(np.full_like(only_last, np.nan))})
+  with pytest.raises(guards.NonFiniteError, match="loss at step 2 "):
     guard.check()
+
+
+def test_logged_values_reveal_a_bad_step_to_the_loop():
+  guard = guards.NonFiniteGuard("halt")
+  for step in range(1, 6):
+    guard(0.0, step, {"loss": jnp.float32(np.nan if step >= 3 else 1.0)})
+  guard.observe(5, {"loss": float("nan")})
+  with pytest.raises(guards.NonFiniteError, match="loss at step 3 "):
+    guard(0.0, 6, {"loss": jnp.float32(np.nan)})
 
 
 def test_scalars_that_change_from_step_to_step_are_checked_too():
