@@ -102,12 +102,17 @@ class AbstractExperiment(abc.ABC):
     donates the live ones; an override should return fresh arrays too, or
     the checkpointer copies what it returns.
     """
+    return self._snapshot(one_copy=devices.get_first)
+
+  def _snapshot(self, one_copy) -> dict[str, Any]:
+    """`snapshot_state`, taking pmap-mode CHECKPOINT_ATTRS with `one_copy`."""
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     if not attrs and not non_broadcast_attrs:
       logging.warning(
           "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
           "checkpoints will hold no experiment state.", type(self).__name__)
-    one_copy = devices.get_first if mesh_lib.active_mesh() is None else devices.fresh_copies
+    if mesh_lib.active_mesh() is not None:
+      one_copy = devices.fresh_copies
     snapshot = {name: one_copy(getattr(self, attr)) for attr, name in attrs.items()}
     for attr, name in non_broadcast_attrs.items():
       # Host values pass through; device arrays are copied (no dispatch without any).
@@ -141,7 +146,7 @@ class AbstractExperiment(abc.ABC):
 def steps_in_flight_limit(config) -> int:
   """How many steps may be dispatched but unfinished; 0 for no limit.
 
-  `config.max_steps_in_flight` (None: automatic). Automatic is 2 on the CPU
+  `config.max_steps_in_flight` (None: automatic). Automatic is 8 on the CPU
   backend with several local devices and unlimited elsewhere: XLA's CPU client
   runs one thread per device on a machine with fewer cores than devices, and
   when the host runs ~32 steps ahead a later step's launch takes the thread a
@@ -151,15 +156,18 @@ def steps_in_flight_limit(config) -> int:
   limit = getattr(config, "max_steps_in_flight", None)
   if limit is not None:
     return limit
-  return 2 if jax.default_backend() == "cpu" and jax.local_device_count() > 1 else 0
+  return 8 if jax.default_backend() == "cpu" and jax.local_device_count() > 1 else 0
 
 
 class StepsInFlight:
-  """Blocks on step k - limit + 1's outputs once step k is dispatched.
+  """Keeps at most `limit` steps dispatched but unfinished.
 
-  The outputs are what `step` returned (its scalars); their device arrays
-  finish with the step that made them. A step that returns no device arrays
-  is not held back.
+  When a dispatch makes `limit` steps outstanding, it waits until only half
+  of them are: one wait every `limit // 2` steps, like a hand-written loop
+  that fetches a value now and then, rather than a wait (and a wake-up of
+  this thread by a device thread) after every step. A step's outputs (what
+  `step` returned) finish with it; a step that returns no device arrays is
+  not held back.
   """
 
   def __init__(self, limit: int):
@@ -171,7 +179,10 @@ class StepsInFlight:
       return
     self._outputs.append(outputs)
     if len(self._outputs) >= self._limit:
-      jax.block_until_ready(self._outputs.popleft())
+      # Devices run steps in order: once this one is done, so are those before it.
+      while len(self._outputs) > self._limit // 2:
+        oldest = self._outputs.popleft()
+      jax.block_until_ready(oldest)
 
 
 def checkpoint_attrs(experiment) -> tuple[Mapping[str, str], Mapping[str, str]]:

@@ -307,31 +307,41 @@ def test_multithreaded_constructs_eval_experiment_with_its_mode():
 
 def test_steps_in_flight_are_bounded_on_cpu_with_several_devices():
   config = make_config()
-  assert experiment.steps_in_flight_limit(config) == 2  # 4 fake CPU devices
+  assert experiment.steps_in_flight_limit(config) == 8  # 4 fake CPU devices
   config.max_steps_in_flight = 0
   assert experiment.steps_in_flight_limit(config) == 0
 
 
+class Waited:
+  """A step output that records when the loop waits for it."""
+
+  def __init__(self, step, waits):
+    self.step, self._waits = step, waits
+
+  def block_until_ready(self):
+    self._waits.append(self.step)
+    return self
+
+
 def test_steps_in_flight_blocks_on_the_oldest_outputs():
-  blocked = []
-
-  class Output:
-
-    def __init__(self, step):
-      self.step = step
-
-    def block_until_ready(self):
-      blocked.append(self.step)
-      return self
-
+  waits = []
   in_flight = experiment.StepsInFlight(2)
   for step in range(5):
-    in_flight.dispatched({"loss": Output(step)})
+    in_flight.dispatched({"loss": Waited(step, waits)})
   # After dispatching step k, step k - 1 is waited for: at most 2 in flight.
-  assert blocked == [0, 1, 2, 3]
+  assert waits == [0, 1, 2, 3]
   unbounded = experiment.StepsInFlight(0)
-  unbounded.dispatched({"loss": Output(9)})
-  assert blocked == [0, 1, 2, 3]
+  unbounded.dispatched({"loss": Waited(9, waits)})
+  assert waits == [0, 1, 2, 3]
+
+
+def test_steps_in_flight_waits_in_bursts():
+  waits = []
+  in_flight = experiment.StepsInFlight(8)
+  for step in range(16):
+    in_flight.dispatched({"loss": Waited(step, waits)})
+  # At 8 outstanding it waits until 4 are: one wait per 4 steps, never 9 in flight.
+  assert waits == [3, 7, 11]
 
 
 class LiveSnapshot(Donating):
