@@ -110,10 +110,12 @@ def device_snapshot(state: ExperimentState) -> dict[str, Any]:
 
   Cheap for the calling thread: copies are dispatched, not waited for. Being
   new buffers, donating the live state in the next step, or anything the
-  loop dispatches later, cannot change the snapshot. The default
-  `snapshot_state` returns fresh arrays already (`get_first` slices, or
-  copies in mesh mode); an overridden one is copied here. The training key
-  chain is never donated, so it is taken as it is.
+  loop dispatches later, cannot change the snapshot. With the default
+  `snapshot_state`, pmap-replicated attributes are taken as
+  `devices.PackedFirst` (one buffer per dtype; `SaveWorker` unpacks them on
+  the host) and mesh-mode ones as copies; an overridden `snapshot_state` is
+  copied here. The training key chain is never donated, so it is taken as
+  it is.
   """
   # Deferred: experiment imports this module's users, not the other way round.
   from jaxline_ng import experiment as experiment_lib
@@ -121,11 +123,18 @@ def device_snapshot(state: ExperimentState) -> dict[str, Any]:
   nest = state.snapshotted_items()
   module = state.experiment_module
   if module is not None:
-    snapshot = module.snapshot_state()
-    if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
-      snapshot = devices.fresh_copies(snapshot)
+    if type(module).snapshot_state is experiment_lib.AbstractExperiment.snapshot_state:
+      # Packed: one new buffer per dtype instead of one per leaf.
+      snapshot = module._snapshot(one_copy=_packed_first)  # pylint: disable=protected-access
+    else:
+      snapshot = devices.fresh_copies(module.snapshot_state())
     nest["experiment_module"] = snapshot
   return nest
+
+
+def _packed_first(tree):
+  return devices.PackedFirst.pack(tree) if devices.PackedFirst.can_pack(tree) \
+      else devices.get_first(tree)
 
 
 class SaveWorker:
@@ -154,7 +163,7 @@ class SaveWorker:
     self._raise_failures(block=True)
 
     def finish():
-      host_nest = jax.device_get(nest)
+      host_nest = devices.unpack_all(jax.device_get(nest))
       if validate is not None:
         try:
           validate()

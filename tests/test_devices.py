@@ -51,3 +51,17 @@ def test_tree_psum_inside_pmap():
   total = jax.pmap(lambda t: utils.tree_psum(t, "i"), axis_name="i")(
       utils.bcast_local_devices({"a": jnp.ones(())}))
   assert float(utils.get_first(total)["a"]) == jax.local_device_count()
+
+
+def test_packed_first_holds_the_first_copy_in_one_buffer_per_dtype():
+  tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3), "count": jnp.int32(7),
+          "nested": (jnp.zeros((2, 2), jnp.bfloat16),)}
+  replicated = devices.bcast_local_devices(tree)
+  assert devices.PackedFirst.can_pack(replicated)
+  assert not devices.PackedFirst.can_pack({"host": np.ones((jax.local_device_count(), 2))})
+  packed = devices.PackedFirst.pack(replicated)
+  assert len(packed.buffers) == 3  # float32, int32, bfloat16
+  host = devices.unpack_all({"experiment_module": {"params": jax.device_get(packed)}})
+  expected = jax.device_get(devices.get_first(replicated))
+  jax.tree.map(np.testing.assert_array_equal, host["experiment_module"]["params"], expected)
+  assert host["experiment_module"]["params"]["nested"][0].dtype == jnp.bfloat16
