@@ -1,10 +1,15 @@
 """jaxline_ng's benchmarks: what the framework costs next to a hand-written loop.
 
-    python -m benchmarks.run                 # full run, ~5 minutes on 2 CPU cores
+    python -m benchmarks.run                 # full run, ~10 minutes on 2 CPU cores
     python -m benchmarks.run --smoke         # a few steps of each, in one process (the suite's check)
 
-Every measurement runs in its own process on 4 fake CPU devices, and paired
-variants alternate (A B A B ...), so drift in machine load hits both sides.
+Every measurement runs in worker processes on 4 fake CPU devices. A paired
+comparison runs A and B alternately inside each worker (A B, B A, ...;
+`--rounds` pairs per worker, `--processes` workers), each run timing
+`--steps` steps after a warmup; it reports the median of the per-pair
+ratios and their spread. On this machine identical runs differ by +-10 %
+(an A/A comparison of the hand-written loop gave 0.79-1.13), so a few per
+cent need dozens of pairs.
 Prints a table and writes it as JSON (`--out`).
 
 - loop: steps/s of the same pmapped MLP update driven by a hand-written loop
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 4
@@ -58,31 +64,49 @@ def _timed_steps(warmup: int, steps: int):
   return action, lambda: steps / (marks[warmup + steps] - marks[warmup])
 
 
-def worker_hand(warmup: int, steps: int) -> dict:
-  import jax  # pylint: disable=import-outside-toplevel
+def _update_and_split(params, opt_state, batch, key):
+  """The hand-written loops' step: the workload's update, splitting its key inside."""
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
-  from jaxline_ng import rng, utils  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  next_key, step_key = jax.random.split(key)
+  params, opt_state, loss = workloads.update(params, opt_state, batch, step_key)
+  return params, opt_state, loss, next_key
 
-  def update_and_split(params, opt_state, batch, key):
-    next_key, step_key = jax.random.split(key)
-    params, opt_state, loss = workloads.update(params, opt_state, batch, step_key)
-    return params, opt_state, loss, next_key
 
-  update = jax.pmap(update_and_split, axis_name="i", donate_argnums=(0, 1))
-  params, opt_state = workloads.initial_state()
-  params, opt_state = utils.bcast_local_devices(params), utils.bcast_local_devices(opt_state)
-  batch = workloads.device_batch()
-  keys = rng.per_device_keys(jax.random.PRNGKey(0), "unique_host_unique_device")
+def _update_global_and_split(params, opt_state, batch, key):
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  next_key, step_key = jax.random.split(key)
+  params, opt_state, loss = workloads.update_global(params, opt_state, batch, step_key)
+  return params, opt_state, loss, next_key
+
+
+def _hand_loop(update, params, opt_state, batch, key, warmup: int, steps: int,
+               fetch_loss) -> dict:
+  """One pmap/jit call per step, the loss fetched every 100 steps; steps/s after warmup."""
+  import jax  # pylint: disable=import-outside-toplevel
   start = None
   for step in range(1, warmup + steps + 1):
-    params, opt_state, loss, keys = update(params, opt_state, batch, keys)
+    params, opt_state, loss, key = update(params, opt_state, batch, key)
     if step % 100 == 0:
-      float(loss.addressable_shards[0].data[0])
+      fetch_loss(loss)
     if step == warmup:
       jax.block_until_ready(loss)
       start = time.perf_counter()
   jax.block_until_ready(loss)
   return {"steps_per_sec": steps / (time.perf_counter() - start)}
+
+
+def worker_hand(warmup: int, steps: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import rng, utils  # pylint: disable=import-outside-toplevel
+  update = jax.pmap(_update_and_split, axis_name="i", donate_argnums=(0, 1))
+  params, opt_state = workloads.initial_state()
+  return _hand_loop(update, utils.bcast_local_devices(params),
+                    utils.bcast_local_devices(opt_state), workloads.device_batch(),
+                    rng.per_device_keys(jax.random.PRNGKey(0), "unique_host_unique_device"),
+                    warmup, steps, lambda loss: float(loss.addressable_shards[0].data[0]))
 
 
 def worker_hand_jit(warmup: int, steps: int) -> dict:
@@ -92,30 +116,15 @@ def worker_hand_jit(warmup: int, steps: int) -> dict:
   config = base_config.get_base_config()
   config.placement = "mesh"
   mesh.activate(config)
-
-  def update_and_split(params, opt_state, batch, key):
-    next_key, step_key = jax.random.split(key)
-    params, opt_state, loss = workloads.update_global(params, opt_state, batch, step_key)
-    return params, opt_state, loss, next_key
-
-  update = jax.jit(update_and_split, donate_argnums=(0, 1))
+  update = jax.jit(_update_global_and_split, donate_argnums=(0, 1))
   params, opt_state = mesh.replicate(workloads.initial_state())
-  batch = workloads.global_batch()
-  key = mesh.replicate(jax.random.PRNGKey(0))
-  start = None
-  for step in range(1, warmup + steps + 1):
-    params, opt_state, loss, key = update(params, opt_state, batch, key)
-    if step % 100 == 0:
-      float(loss)
-    if step == warmup:
-      jax.block_until_ready(loss)
-      start = time.perf_counter()
-  jax.block_until_ready(loss)
-  return {"steps_per_sec": steps / (time.perf_counter() - start)}
+  return _hand_loop(update, params, opt_state, workloads.global_batch(),
+                    mesh.replicate(jax.random.PRNGKey(0)), warmup, steps, float)
 
 
 def worker_framework(warmup: int, steps: int, write_every_step: bool,
-                     checkpoint_every: int, placement: str = "pmap") -> dict:
+                     checkpoint_every: int, placement: str = "pmap",
+                     overrides: Optional[dict] = None) -> dict:
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   from jaxline_ng import base_config, checkpointing, train, writers  # pylint: disable=import-outside-toplevel
   config = base_config.get_base_config()
@@ -126,6 +135,7 @@ def worker_framework(warmup: int, steps: int, write_every_step: bool,
   config.log_train_data_interval = 1 if write_every_step else None
   config.save_checkpoint_interval = checkpoint_every or 10**9
   config.checkpoint_dir = tempfile.mkdtemp(prefix="jaxline_ng_bench_")
+  config.update(overrides or {})
   writer = None
   if write_every_step:
     writer = writers.make_writer(os.path.join(config.checkpoint_dir, "train"))
@@ -246,19 +256,18 @@ def worker_startup() -> dict:
           "experiment_init_s": marks["init"], "framework_s": framework_import + framework_in_train}
 
 
-WORKERS = {"hand": worker_hand, "hand_jit": worker_hand_jit, "framework": worker_framework,
-           "overhead": worker_overhead,
-           "save_stall": worker_save_stall, "startup": worker_startup}
-
-
 _IN_PROCESS = []  # Set by --smoke: run workers here, to exercise the code quickly.
+
+
+def _run_in_process(name: str, kwargs: dict) -> dict:
+  from jaxline_ng import utils  # pylint: disable=import-outside-toplevel
+  utils.GLOBAL_CHECKPOINT_DICT.clear()  # As in a fresh process: nothing to resume.
+  return WORKERS[name](**kwargs)
 
 
 def _run_worker(name: str, **kwargs) -> dict:
   if _IN_PROCESS:
-    from jaxline_ng import utils  # pylint: disable=import-outside-toplevel
-    utils.GLOBAL_CHECKPOINT_DICT.clear()  # As in a fresh process: nothing to resume.
-    return WORKERS[name](**kwargs)
+    return _run_in_process(name, kwargs)
   # PJRT_NPROC: without it the hand-written loop, which runs up to 100 steps
   # ahead, deadlocks in XLA's CPU collectives on a 2-core machine (tests/README.md).
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
@@ -272,25 +281,54 @@ def _run_worker(name: str, **kwargs) -> dict:
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _paired(repeats: int, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
-  """Alternates A and B runs; ratio of B's steps/s to A's, per pair."""
-  ratios, a_rates, b_rates = [], [], []
-  for index in range(repeats):
-    order = (a, b) if index % 2 == 0 else (b, a)
-    rates = {id(spec): _run_worker(spec[0], **spec[1])["steps_per_sec"] for spec in order}
-    a_rates.append(rates[id(a)])
-    b_rates.append(rates[id(b)])
-    ratios.append(b_rates[-1] / a_rates[-1])
-  return {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-          "ratio_max": max(ratios), "a_steps_per_sec_median": statistics.median(a_rates),
-          "b_steps_per_sec_median": statistics.median(b_rates), "pairs": repeats}
+def worker_interleaved(a: list, b: list, rounds: int) -> dict:
+  """Runs A and B alternately in this process, `rounds` times each; their steps/s.
+
+  The order flips every round (A B, B A, ...), so neither side always runs
+  first after the other. Both are compiled by their first run; later runs
+  hit the compile cache, and every run times only the steps after its warmup.
+  """
+  pairs = []
+  for index in range(rounds):
+    rates = {}
+    for side, (name, kwargs) in (("a", a), ("b", b))[::1 if index % 2 == 0 else -1]:
+      rates[side] = _run_in_process(name, kwargs)["steps_per_sec"]
+    pairs.append([rates["a"], rates["b"]])
+  return {"pairs": pairs}
+
+
+WORKERS = {"hand": worker_hand, "hand_jit": worker_hand_jit, "framework": worker_framework,
+           "interleaved": worker_interleaved, "overhead": worker_overhead,
+           "save_stall": worker_save_stall, "startup": worker_startup}
+
+
+def _paired(processes: int, rounds: int, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
+  """Ratio of B's steps/s to A's over `processes` x `rounds` interleaved pairs.
+
+  This machine's speed drifts by +-15 % from one second to the next; pairs of
+  runs a second apart, in one process, see the same drift, so their ratio
+  is much steadier than that of runs in separate processes.
+  """
+  pairs = []
+  for _ in range(processes):
+    pairs += _run_worker("interleaved", a=list(a), b=list(b), rounds=rounds)["pairs"]
+  ratios = sorted(b_rate / a_rate for a_rate, b_rate in pairs)
+  quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+  return {"ratio_median": statistics.median(ratios), "ratio_min": ratios[0],
+          "ratio_max": ratios[-1], "ratio_q1": quartiles[0], "ratio_q3": quartiles[2],
+          "a_steps_per_sec_median": statistics.median(a for a, _ in pairs),
+          "b_steps_per_sec_median": statistics.median(b for _, b in pairs),
+          "pairs": len(pairs), "steps_per_sec": [[round(a), round(b)] for a, b in pairs]}
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="a few steps of each benchmark")
-  parser.add_argument("--repeats", type=int, default=6, help="pairs per comparison")
-  parser.add_argument("--steps", type=int, default=3000, help="timed steps per run")
+  parser.add_argument("--processes", type=int, default=3,
+                      help="worker processes per comparison")
+  parser.add_argument("--rounds", type=int, default=8,
+                      help="interleaved A/B pairs per worker process")
+  parser.add_argument("--steps", type=int, default=1000, help="timed steps per run")
   parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results.json"))
   parser.add_argument("--only", default="",
                       help="comma-separated subset of: loop,loop_mesh,logging,checkpoint,"
@@ -305,17 +343,19 @@ def main(argv=None) -> int:
 
   if args.smoke:
     _IN_PROCESS.append(True)
-  repeats, steps, warmup = (1, 20, 5) if args.smoke else (args.repeats, args.steps, 200)
+  processes, rounds, steps, warmup = ((1, 1, 20, 5) if args.smoke else
+                                      (args.processes, args.rounds, args.steps, 200))
   framework = {"warmup": warmup, "steps": steps, "write_every_step": False,
                "checkpoint_every": 0}
   measurements = {
-      "loop": lambda: _paired(repeats, ("hand", {"warmup": warmup, "steps": steps}),
+      "loop": lambda: _paired(processes, rounds, ("hand", {"warmup": warmup, "steps": steps}),
                               ("framework", framework)),
-      "loop_mesh": lambda: _paired(repeats, ("hand_jit", {"warmup": warmup, "steps": steps}),
-                                   ("framework", {**framework, "placement": "mesh"})),
-      "logging": lambda: _paired(repeats, ("framework", framework),
+      "loop_mesh": lambda: _paired(
+          processes, rounds, ("hand_jit", {"warmup": warmup, "steps": steps}),
+          ("framework", {**framework, "placement": "mesh"})),
+      "logging": lambda: _paired(processes, rounds, ("framework", framework),
                                  ("framework", {**framework, "write_every_step": True})),
-      "checkpoint": lambda: _paired(repeats, ("framework", framework),
+      "checkpoint": lambda: _paired(processes, rounds, ("framework", framework),
                                     ("framework", {**framework, "checkpoint_every": 10})),
       "overhead": lambda: _run_worker("overhead", steps=200 if args.smoke else 20000),
       "save_stall": lambda: _run_worker("save_stall", saves=3 if args.smoke else 10),
@@ -367,7 +407,7 @@ def main(argv=None) -> int:
   print(f"hand-written pmap loop: {loop['a_steps_per_sec_median']:.0f} steps/s, framework: "
         f"{loop['b_steps_per_sec_median']:.0f} steps/s; hand-written jit loop: "
         f"{loop_mesh['a_steps_per_sec_median']:.0f} steps/s, framework (mesh): "
-        f"{loop_mesh['b_steps_per_sec_median']:.0f} steps/s ({repeats} pairs x {steps} steps, "
+        f"{loop_mesh['b_steps_per_sec_median']:.0f} steps/s ({loop['pairs']} pairs x {steps} steps, "
         f"{DEVICES} fake CPU devices)")
   print(f"results written to {args.out}")
   return 0
