@@ -68,13 +68,18 @@ def _first_shard(leaf):
   return leaf
 
 
+def _is_per_device(leaf: jax.Array) -> bool:
+  """Whether axis 0 of `leaf` is one row per addressable device (pmap's layout)."""
+  shard = leaf.addressable_data(0)
+  return bool(shard.ndim) and shard.shape[0] == 1 and \
+      leaf.shape[0] == len(leaf.addressable_shards)
+
+
 def _first_shard_if_one_copy(leaf):
   if not isinstance(leaf, jax.Array) or len(leaf.addressable_shards) < 2:
     return leaf
-  shard = leaf.addressable_data(0)
-  if leaf.is_fully_replicated or (
-      shard.ndim and shard.shape[0] == 1 and leaf.shape[0] == len(leaf.addressable_shards)):
-    return shard
+  if leaf.is_fully_replicated or _is_per_device(leaf):
+    return leaf.addressable_data(0)
   return leaf
 
 
@@ -150,9 +155,8 @@ class PackedFirst:
   def can_pack(tree: Any) -> bool:
     """Whether every leaf is a per-device array (pmap layout) on the local devices."""
     count = jax.local_device_count()
-    return all(isinstance(leaf, jax.Array) and leaf.ndim and leaf.shape[0] == count
-               and len(leaf.addressable_shards) == count and leaf.addressable_data(0).shape[0] == 1
-               for leaf in jax.tree.leaves(tree))
+    return all(isinstance(leaf, jax.Array) and len(leaf.addressable_shards) == count
+               and _is_per_device(leaf) for leaf in jax.tree.leaves(tree))
 
   def unpack(self) -> Any:
     """The tree, from host buffers (after `jax.device_get`)."""

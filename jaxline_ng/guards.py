@@ -23,7 +23,6 @@ of training speed; this design costs a deque append per step.
 """
 
 import collections
-import math
 import threading
 from typing import Any, Callable, Mapping, Optional
 
@@ -155,10 +154,3 @@ def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:
   """Host values of one step's scalars: the first device's copy, or every device's."""
   scalars = dict(scalars)
   return jax.device_get(scalars if every_device else devices.first_shards(scalars))
-
-
-def is_finite_number(value: Any) -> bool:
-  try:
-    return math.isfinite(float(value))
-  except (TypeError, ValueError):
-    return False
