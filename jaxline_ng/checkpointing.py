@@ -68,8 +68,11 @@ class ExperimentState:
   def __contains__(self, name: str) -> bool:
     return name in vars(self)
 
-  def snapshotted_items(self) -> dict[str, Any]:
-    return {k: getattr(self, k) for k in vars(self) if k not in _NOT_SNAPSHOTTED}
+  def snapshotted_items(self, *, resolve_keys: bool = True) -> dict[str, Any]:
+    """The attributes a checkpoint holds; with `resolve_keys=False`, a pending
+    `train_step_rng` stays a `rng.PendingChainKey` (for `devices.to_host`)."""
+    items = vars(self) if not resolve_keys else {k: getattr(self, k) for k in vars(self)}
+    return {k: v for k, v in items.items() if k not in _NOT_SNAPSHOTTED}
 
 
 class Checkpointer(Protocol):
@@ -111,30 +114,26 @@ def device_snapshot(state: ExperimentState) -> dict[str, Any]:
   Cheap for the calling thread: copies are dispatched, not waited for. Being
   new buffers, donating the live state in the next step, or anything the
   loop dispatches later, cannot change the snapshot. With the default
-  `snapshot_state`, pmap-replicated attributes are taken as
-  `devices.PackedFirst` (one buffer per dtype; `SaveWorker` unpacks them on
-  the host) and mesh-mode ones as copies; an overridden `snapshot_state` is
-  copied here. The training key chain is never donated, so it is taken as
-  it is.
+  `snapshot_state`, pmap-replicated attributes are packed together
+  (`devices.packed_first`: one dispatch, one buffer per dtype; the first
+  device's part is taken and unpacked by `SaveWorker`) and mesh-mode ones
+  copied; an overridden
+  `snapshot_state` is copied here. The training key chain is never donated,
+  so it is taken as it is; a pending one (`rng.PendingChainKey`) is taken
+  out of its dispatch's stacked keys on the save worker, too.
   """
   # Deferred: experiment imports this module's users, not the other way round.
   from jaxline_ng import experiment as experiment_lib
 
-  nest = state.snapshotted_items()
+  nest = state.snapshotted_items(resolve_keys=False)
   module = state.experiment_module
   if module is not None:
     if type(module).snapshot_state is experiment_lib.AbstractExperiment.snapshot_state:
-      # Packed: one new buffer per dtype instead of one per leaf.
-      snapshot = module._snapshot(one_copy=_packed_first)  # pylint: disable=protected-access
+      snapshot = module._snapshot(one_copy=devices.packed_first)  # pylint: disable=protected-access
     else:
       snapshot = devices.fresh_copies(module.snapshot_state())
     nest["experiment_module"] = snapshot
   return nest
-
-
-def _packed_first(tree):
-  return devices.PackedFirst.pack(tree) if devices.PackedFirst.can_pack(tree) \
-      else devices.get_first(tree)
 
 
 class SaveWorker:
@@ -142,9 +141,10 @@ class SaveWorker:
 
   `submit(nest, validate, persist)` first waits for the previous save (so
   at most one snapshot waits on the devices), then returns while, on the
-  worker, the snapshot is copied to host memory, `validate()` runs (it may
-  wait for the step's outputs; if it raises, the snapshot is dropped and the
-  validator reports its own failure) and `persist(host_nest)` stores it. An
+  worker, the snapshot is copied to host memory (`devices.to_host`),
+  `validate()` runs (it may wait for the step's outputs; if it raises, the
+  snapshot is dropped and the validator reports its own failure) and
+  `persist(host_nest)` stores it. An
   error while persisting is raised on the caller's thread by the next
   `submit` or by `wait`.
   """
@@ -163,7 +163,7 @@ class SaveWorker:
     self._raise_failures(block=True)
 
     def finish():
-      host_nest = devices.unpack_all(jax.device_get(nest))
+      host_nest = devices.to_host(nest)
       if validate is not None:
         try:
           validate()

@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from jaxline_ng import checkpointing
+from jaxline_ng import devices
 from jaxline_ng import multihost
 
 _PLAIN_VALUES = (bool, int, float, str)
@@ -119,7 +120,8 @@ def check_storable(nest: dict[str, Any]) -> None:
   """
   for name, value in _named_entries(nest).items():
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-      if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_PLAIN_VALUES)):
+      if not isinstance(leaf, (jax.Array, devices.DeferredHostValue, np.ndarray, np.generic,
+                               *_PLAIN_VALUES)):
         raise _unstorable(name, path, leaf)
 
 

@@ -105,7 +105,8 @@ class AbstractExperiment(abc.ABC):
     return self._snapshot(one_copy=devices.get_first)
 
   def _snapshot(self, one_copy) -> dict[str, Any]:
-    """`snapshot_state`, taking pmap-mode CHECKPOINT_ATTRS with `one_copy`."""
+    """`snapshot_state`, taking pmap-mode CHECKPOINT_ATTRS with `one_copy`
+    (of the dict `{checkpoint name: value}`, in one call)."""
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     if not attrs and not non_broadcast_attrs:
       logging.warning(
@@ -113,7 +114,7 @@ class AbstractExperiment(abc.ABC):
           "checkpoints will hold no experiment state.", type(self).__name__)
     if mesh_lib.active_mesh() is not None:
       one_copy = devices.fresh_copies
-    snapshot = {name: one_copy(getattr(self, attr)) for attr, name in attrs.items()}
+    snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()}))
     for attr, name in non_broadcast_attrs.items():
       # Host values pass through; device arrays are copied (no dispatch without any).
       snapshot[name] = devices.fresh_copies(getattr(self, attr))

@@ -192,12 +192,14 @@ def _chain_at(chains, index):
   return chains[index]
 
 
-class PendingChainKey:
+class PendingChainKey(devices.DeferredHostValue):
   """The chain key after one step, not yet taken out of its dispatch's stacked keys.
 
   The loop records one per step as `state.train_step_rng`, but only a
   checkpoint reads it: making each its own array would cost every step an
-  output array, whereas `resolve` costs one dispatch, when read.
+  output array. `resolve` makes the device array (one dispatch), when the
+  key is read; a checkpoint's save worker takes it with `to_host`, which
+  costs the training thread nothing. The stacked keys are never donated.
   """
 
   __slots__ = ("_chains", "_index")
@@ -208,6 +210,9 @@ class PendingChainKey:
 
   def resolve(self) -> jax.Array:
     return _chain_at(self._chains, self._index)
+
+  def to_host(self) -> np.ndarray:
+    return np.asarray(jax.device_get(self._chains))[self._index]
 
 
 def compile_ahead(random_seed: int, mode: str, train_stream: bool) -> None:

@@ -5,7 +5,7 @@ import threading
 import jax.numpy as jnp
 import numpy as np
 
-from jaxline_ng import base_config, checkpointing, experiment, train, utils
+from jaxline_ng import base_config, checkpointing, devices, experiment, rng, train, utils
 
 
 class Params(experiment.AbstractExperiment):
@@ -125,3 +125,34 @@ def test_get_checkpoint_dir_creates_per_host_dir(tmp_path):
   path = utils.get_checkpoint_dir(config, 3)
   assert path.startswith(str(tmp_path)) and "3" in path
   assert (tmp_path / path.split("/")[-1]).is_dir()
+
+
+def test_device_snapshot_defers_host_work_to_the_save_worker():
+  """The snapshot packs every replicated attribute in one buffer set and
+  leaves the chain key pending: the training thread neither slices the key
+  out nor takes per-leaf device copies."""
+  config = config_for(3)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  state = checkpointer.get_experiment_state("latest")
+  state.config = config
+
+  class TwoAttrs(Params):
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._opt_state = utils.bcast_local_devices({"m": jnp.arange(2.0), "n": jnp.int32(4)})
+
+  state.experiment_module = TwoAttrs("train", None)
+  stream = rng.StepInputs(5, rng.per_device_keys(rng.seed_key(0), "unique_host_unique_device"))
+  state.train_step_rng = stream.next()[2]
+  nest = checkpointing.device_snapshot(state)
+  assert isinstance(nest["train_step_rng"], rng.PendingChainKey)
+  module = nest["experiment_module"]
+  assert isinstance(module["params"], devices.PackedEntry)
+  assert module["params"]._packed is module["opt_state"]._packed  # pylint: disable=protected-access
+  host = devices.to_host(nest)
+  np.testing.assert_array_equal(host["train_step_rng"],
+                                np.asarray(state.train_step_rng))
+  np.testing.assert_array_equal(host["experiment_module"]["params"]["w"], np.zeros(3))
+  np.testing.assert_array_equal(host["experiment_module"]["opt_state"]["m"], np.arange(2.0))
+  assert host["experiment_module"]["opt_state"]["n"] == 4
+  assert host["experiment_module"]["epoch"] == 0

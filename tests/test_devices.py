@@ -61,7 +61,7 @@ def test_packed_first_holds_the_first_copy_in_one_buffer_per_dtype():
   assert not devices.PackedFirst.can_pack({"host": np.ones((jax.local_device_count(), 2))})
   packed = devices.PackedFirst.pack(replicated)
   assert len(packed.buffers) == 3  # float32, int32, bfloat16
-  host = devices.unpack_all({"experiment_module": {"params": jax.device_get(packed)}})
+  host = devices.to_host({"experiment_module": {"params": packed}})
   expected = jax.device_get(devices.get_first(replicated))
   jax.tree.map(np.testing.assert_array_equal, host["experiment_module"]["params"], expected)
   assert host["experiment_module"]["params"]["nested"][0].dtype == jnp.bfloat16

@@ -79,3 +79,12 @@ def test_seeded_keys_equal_the_step_by_step_derivation():
       np.testing.assert_array_equal(
           rng.seeded_run_keys(7, mode, train_stream=train_stream),
           rng.per_device_keys(key, mode))
+
+
+def test_pending_chain_key_to_host_equals_resolve():
+  stream = rng.StepInputs(0, rng.per_device_keys(rng.seed_key(2), "unique_host_unique_device"))
+  pending = [stream.next()[2] for _ in range(3)]
+  for chain in pending:
+    host = chain.to_host()
+    assert isinstance(host, np.ndarray)
+    np.testing.assert_array_equal(host, np.asarray(chain.resolve()))
