@@ -43,7 +43,9 @@ def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   experiment did not reduce with `get_first`); the first device's copy is
   taken then. Anything else is an error naming the scalar.
   """
-  values = jax.device_get(devices.first_shards(dict(scalars)))
+  values = dict(scalars)
+  if any(isinstance(value, jax.Array) for value in values.values()):
+    values = jax.device_get(devices.first_shards(values))
   result = {}
   for name, value in values.items():
     array = np.asarray(value)

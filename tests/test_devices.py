@@ -65,3 +65,24 @@ def test_packed_first_holds_the_first_copy_in_one_buffer_per_dtype():
   expected = jax.device_get(devices.get_first(replicated))
   jax.tree.map(np.testing.assert_array_equal, host["experiment_module"]["params"], expected)
   assert host["experiment_module"]["params"]["nested"][0].dtype == jnp.bfloat16
+
+
+def test_first_shards_to_host_matches_reading_each_step_apart():
+  """Stacked chunks (64 and 16 steps), leftovers, host leaves and a changed
+  structure all give what `device_get(first_shards(...))` gives."""
+  per_step = jax.pmap(lambda x: {"loss": jax.lax.pmean(x, "i"), "per_device": x},
+                      axis_name="i")
+  base = devices.put_per_device(np.arange(jax.local_device_count(), dtype=np.float32))
+  trees = [dict(per_step(base + step), host=step, replicated=jnp.float32(step))
+           for step in range(83)]
+  mixed = trees[:3] + [{"loss": trees[0]["loss"]}]  # Another structure: read apart.
+  for batch in (trees, mixed):
+    expected = jax.device_get(devices.first_shards(batch))
+    got = devices.first_shards_to_host(batch)
+    assert len(got) == len(expected)
+    for got_tree, expected_tree in zip(got, expected):
+      assert got_tree.keys() == expected_tree.keys()
+      for name in got_tree:
+        np.testing.assert_array_equal(np.asarray(got_tree[name]),
+                                      np.asarray(expected_tree[name]))
+        assert np.shape(got_tree[name]) == np.shape(expected_tree[name])

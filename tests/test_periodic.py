@@ -96,10 +96,11 @@ def test_async_error_is_raised_on_the_next_call_or_wait():
   action(0.0, 1, {})
   with pytest.raises(RuntimeError, match="failed at 1"):
     action.wait_to_finish()
-  action(0.0, 2, {})
+  # Loop times a second apart: batches are handed over at most every 0.1 s.
+  action(1.0, 2, {})
   time.sleep(0.2)
   with pytest.raises(RuntimeError, match="failed at 2"):
-    action(0.0, 3, {})
+    action(2.0, 3, {})
 
 
 def test_make_async_returns_futures():
@@ -108,3 +109,23 @@ def test_make_async_returns_futures():
     return 2 * x
 
   assert double(21).result() == 42
+
+
+def test_async_steps_due_within_a_batch_interval_run_together():
+  """Acting every step wakes the background thread once per `_BATCH_SECONDS`, not per step."""
+  batches = []
+  action = periodic.PeriodicAction(lambda t, step, scalars: None, "steps", 1)
+  original = action._run_items  # pylint: disable=protected-access
+
+  def record(items, to_host):
+    batches.append([step for _, step, _ in items])
+    original(items, to_host)
+
+  action._run_items = record  # pylint: disable=protected-access
+  for step in range(1, 51):
+    action(1.0 + step * 0.001, step, {})  # 50 steps within 0.05 s of loop time.
+  action(1.2, 51, {})
+  action.wait_to_finish()
+  assert batches[0] == [1]
+  assert batches[1] == list(range(2, 52))
+  assert [step for batch in batches for step in batch] == list(range(1, 52))
