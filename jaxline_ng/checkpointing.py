@@ -117,10 +117,10 @@ def device_snapshot(state: ExperimentState) -> dict[str, Any]:
   `snapshot_state`, pmap-replicated attributes are packed together
   (`devices.packed_first`: one dispatch, one buffer per dtype; the first
   device's part is taken and unpacked by `SaveWorker`) and mesh-mode ones
-  copied; an overridden
-  `snapshot_state` is copied here. The training key chain is never donated,
-  so it is taken as it is; a pending one (`rng.PendingChainKey`) is taken
-  out of its dispatch's stacked keys on the save worker, too.
+  copied; an overridden `snapshot_state` is copied here. The training key
+  chain is never donated, so it is taken as it is; a pending one
+  (`rng.PendingChainKey`) is taken out of its dispatch's stacked keys on
+  the save worker, too.
   """
   # Deferred: experiment imports this module's users, not the other way round.
   from jaxline_ng import experiment as experiment_lib
@@ -144,9 +144,8 @@ class SaveWorker:
   worker, the snapshot is copied to host memory (`devices.to_host`),
   `validate()` runs (it may wait for the step's outputs; if it raises, the
   snapshot is dropped and the validator reports its own failure) and
-  `persist(host_nest)` stores it. An
-  error while persisting is raised on the caller's thread by the next
-  `submit` or by `wait`.
+  `persist(host_nest)` stores it. An error while persisting is raised on
+  the caller's thread by the next `submit` or by `wait`.
   """
 
   def __init__(self, name: str):

@@ -91,12 +91,15 @@ def _per_device_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) 
       sharding.shard_shape(shape)[0] == 1
 
 
+def _first_shard_holds_one_copy(leaf) -> bool:
+  """Whether `leaf` is a multi-device array whose first shard is one whole copy:
+  replicated (the value) or per-device (the first device's row)."""
+  return isinstance(leaf, jax.Array) and _local_copies(leaf) > 1 and (
+      leaf.is_fully_replicated or _is_per_device(leaf))
+
+
 def _first_shard_if_one_copy(leaf):
-  if not isinstance(leaf, jax.Array) or _local_copies(leaf) < 2:
-    return leaf
-  if leaf.is_fully_replicated or _is_per_device(leaf):
-    return leaf.addressable_data(0)
-  return leaf
+  return leaf.addressable_data(0) if _first_shard_holds_one_copy(leaf) else leaf
 
 
 def first_shards(tree: Any) -> Any:
@@ -131,16 +134,15 @@ def first_shards_to_host(trees: list[Any]) -> list[Any]:
   dispatch per `_STACK_SIZES` chunk with no data crossing devices, and only
   each stack's first shard is copied. Steps left over are read one by one.
   """
+  if not trees:
+    return []
   flat = [jax.tree.flatten(tree) for tree in trees]
-  treedef = flat[0][1] if flat else None
-  stackable = [
-      i for i, leaf in enumerate(flat[0][0] if flat else [])
-      if isinstance(leaf, jax.Array) and _local_copies(leaf) > 1
-      and (leaf.is_fully_replicated or _is_per_device(leaf))]
+  first_leaves, treedef = flat[0]
+  stackable = [i for i, leaf in enumerate(first_leaves) if _first_shard_holds_one_copy(leaf)]
   if not stackable or any(other_treedef != treedef for _, other_treedef in flat):
     return jax.device_get(first_shards(trees))
 
-  others_on_device = any(isinstance(leaf, jax.Array) for i, leaf in enumerate(flat[0][0])
+  others_on_device = any(isinstance(leaf, jax.Array) for i, leaf in enumerate(first_leaves)
                          if i not in stackable)
 
   def signature(leaves):

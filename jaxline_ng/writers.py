@@ -226,20 +226,19 @@ class TensorBoardWriter:
     self._closed = True
 
 
-def _field(number: int, payload: bytes) -> bytes:
-  """A length-delimited protobuf field: key, length (varint), payload."""
-  length, size = b"", len(payload)
+def _varint(value: int) -> bytes:
+  """`value` as a protobuf varint: 7 bits a byte, low bits first."""
+  encoded = bytearray()
   while True:
-    byte, size = size & 0x7F, size >> 7
-    length += bytes([byte | (0x80 if size else 0)])
-    if not size:
-      break
-  return _varint_key(number) + length + payload
+    byte, value = value & 0x7F, value >> 7
+    encoded.append(byte | (0x80 if value else 0))
+    if not value:
+      return bytes(encoded)
 
 
-def _varint_key(number: int) -> bytes:
-  key = (number << 3) | 2  # Wire type 2: length-delimited.
-  return bytes([key]) if key < 0x80 else bytes([key & 0x7F | 0x80, key >> 7])
+def _field(number: int, payload: bytes) -> bytes:
+  """A length-delimited protobuf field (wire type 2): key, length, payload."""
+  return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 @functools.lru_cache(maxsize=4096)
