@@ -151,6 +151,26 @@ def test_tensorboard_scalars_round_trip_exactly(tmp_path):
     writer.write_scalars(8, {"loss": 0.0})
 
 
+def test_scalar_rows_serialize_as_the_protos_would():
+  """The hand-serialized rows parse to the Summary protobuf would build (same
+  canonical encoding once re-serialized; fields may come in another order),
+  including tags longer than 127 bytes (two-byte lengths), non-ASCII tags,
+  integers, NaN and values beyond float32 (which become infinities)."""
+  from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
+
+  metadata = summary_pb2.SummaryMetadata(
+      plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+  for scalars in ({"loss": 0.5, "steps_per_sec": 912.3},
+                  {"a/" * 100: 1e39, "négatif": -1e39, "nan": math.nan, "count": 7}):
+    expected = summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=name, metadata=metadata, tensor=tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_FLOAT, float_val=[value])) for name, value in scalars.items()])
+    row = b"".join(writers._summary_value_bytes(name, value)  # pylint: disable=protected-access
+                   for name, value in scalars.items())
+    parsed = summary_pb2.Summary.FromString(row)
+    assert parsed.SerializeToString() == expected.SerializeToString()
+
+
 def test_tensorboard_images_histograms_and_texts_round_trip(tmp_path):
   import tensorflow as tf
 
