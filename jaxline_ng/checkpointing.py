@@ -17,8 +17,10 @@ experiment object itself); both restore.
 
 import collections
 import concurrent.futures
+import math
 import os
 import threading
+import time
 from typing import Any, Callable, Optional, Protocol
 
 import jax
@@ -26,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import devices
+from jaxline_ng import guards
 from jaxline_ng import rng
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
@@ -115,7 +118,7 @@ def device_snapshot(state: ExperimentState) -> dict[str, Any]:
   new buffers, donating the live state in the next step, or anything the
   loop dispatches later, cannot change the snapshot. With the default
   `snapshot_state`, pmap-replicated attributes are packed together
-  (`devices.packed_first`: one dispatch, one buffer per dtype; the first
+  (`devices.packed_first`: one dispatch, one buffer per number width; the first
   device's part is taken and unpacked by `SaveWorker`) and mesh-mode ones
   copied; an overridden `snapshot_state` is copied here. The training key
   chain is never donated, so it is taken as it is; a pending one
@@ -139,41 +142,94 @@ def device_snapshot(state: ExperimentState) -> dict[str, Any]:
 class SaveWorker:
   """One background thread that finishes saves in the order they were made.
 
-  `submit(nest, validate, persist)` first waits for the previous save (so
-  at most one snapshot waits on the devices), then returns while, on the
-  worker, the snapshot is copied to host memory (`devices.to_host`),
-  `validate()` runs (it may wait for the step's outputs; if it raises, the
-  snapshot is dropped and the validator reports its own failure) and
-  `persist(host_nest)` stores it. An error while persisting is raised on
-  the caller's thread by the next `submit` or by `wait`.
+  `submit(nest, validate, persist)` returns while, on the worker, `validate()`
+  runs (it may wait for the step's outputs; if it raises, the save is
+  dropped and the validator reports its own failure), the snapshot is
+  copied to host memory (`devices.to_host`) and `persist(host_nest)`
+  stores it. An error while persisting is raised on a caller's thread by
+  the next `submit` or by `wait`.
+
+  With `batch_seconds=0`, `submit` first waits for the previous save, so at
+  most one snapshot waits on the devices. With `batch_seconds > 0`, saves
+  made within that time of the previous batch wait and go together: one
+  wake-up of the worker and one read for all their checks
+  (`guards.run_in_order`), where a save every few steps would otherwise
+  wake it and read each time, taking CPU from the devices. With `keep`, a
+  save that `keep` newer saves of its batch would evict anyway is not
+  copied to host: its `persist` gets None. Past `_MAX_PENDING` saves the
+  submitter waits for the worker, which bounds the device memory pending
+  snapshots take.
   """
 
-  def __init__(self, name: str):
+  _MAX_PENDING = 64
+
+  def __init__(self, name: str, *, batch_seconds: float = 0.0, keep: Optional[int] = None):
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                            thread_name_prefix=name)
-    self._futures: list[concurrent.futures.Future] = []
-
-  def _raise_failures(self, block: bool) -> None:
-    while self._futures and (block or self._futures[0].done()):
-      self._futures.pop(0).result()
+    self._batch_seconds = batch_seconds
+    self._keep = keep
+    self._lock = threading.Lock()
+    self._pending: list[tuple[dict[str, Any], Optional[Callable[[], None]], Callable]] = []
+    self._running: Optional[concurrent.futures.Future] = None
+    self._flush = threading.Event()
+    self._failures: list[BaseException] = []
 
   def submit(self, nest: dict[str, Any], validate: Optional[Callable[[], None]],
-             persist: Callable[[dict[str, Any]], None]) -> None:
-    self._raise_failures(block=True)
-
-    def finish():
-      host_nest = devices.to_host(nest)
-      if validate is not None:
-        try:
-          validate()
-        except Exception:  # pylint: disable=broad-except  (the validator reports it)
-          return
-      persist(host_nest)
-
-    self._futures.append(self._executor.submit(finish))
+             persist: Callable[[Optional[dict[str, Any]]], None]) -> None:
+    if not self._batch_seconds or len(self._pending) >= self._MAX_PENDING:
+      self.wait()
+    else:
+      self._raise_failure()
+    with self._lock:
+      self._pending.append((nest, validate, persist))
+      if self._running is None:
+        self._running = self._executor.submit(self._run)
 
   def wait(self) -> None:
-    self._raise_failures(block=True)
+    """Blocks until every save submitted so far is finished; raises a failure."""
+    self._flush.set()
+    try:
+      while True:
+        with self._lock:
+          running = self._running
+        if running is None:
+          break
+        running.result()
+    finally:
+      self._flush.clear()
+    self._raise_failure()
+
+  def _raise_failure(self) -> None:
+    if self._failures:
+      raise self._failures.pop(0)
+
+  def _run(self) -> None:
+    """The worker: takes batches until none is pending."""
+    last_batch = -math.inf
+    while True:
+      delay = last_batch + self._batch_seconds - time.monotonic()
+      if delay > 0:
+        self._flush.wait(delay)
+      with self._lock:
+        batch, self._pending = self._pending, []
+        if not batch:
+          self._running = None
+          return
+      last_batch = time.monotonic()
+      try:
+        self._finish(batch)
+      except Exception as e:  # pylint: disable=broad-except  (raised on the caller's thread)
+        self._failures.append(e)
+
+  def _finish(self, batch) -> None:
+    passed = guards.run_in_order([validate for _, validate, _ in batch])
+    stored = [(nest, persist) for (nest, _, persist), ok in zip(batch, passed) if ok]
+    for index, (nest, persist) in enumerate(stored):
+      superseded = self._keep is not None and len(stored) - index > self._keep
+      try:
+        persist(None if superseded else devices.to_host(nest))
+      except Exception as e:  # pylint: disable=broad-except  (raised on the caller's thread)
+        self._failures.append(e)
 
 
 def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
@@ -208,14 +264,23 @@ class InMemoryCheckpointer:
   `save` returns once the state's arrays are copied on device; the copy to
   host memory and the append to the series happen on a background thread
   (`wait_for_checkpointing_to_finish` waits for them), so saving costs the
-  training loop a dispatch, not a pause.
+  training loop a dispatch, not a pause. Saves made less than
+  `SAVE_BATCH_SECONDS` apart are appended together (see `SaveWorker`), so
+  a new checkpoint shows in its series up to that long after `save`; one
+  that newer saves of its batch push out of the series at once is counted
+  (ids stay consecutive) but never copied to the host.
   """
+
+  SAVE_BATCH_SECONDS = 0.1
 
   def __init__(self, config, mode: str):
     del mode  # Series are shared by every mode in the process.
     self._max_checkpoints_to_keep = config.max_checkpoints_to_keep
     self._lock = threading.Lock()
-    self._worker = SaveWorker("in_memory_checkpointer")
+    # Per series, saves counted but not stored since the last stored one.
+    self._superseded: collections.Counter[str] = collections.Counter()
+    self._worker = SaveWorker("in_memory_checkpointer", batch_seconds=self.SAVE_BATCH_SECONDS,
+                              keep=self._max_checkpoints_to_keep)
 
   def _series(self, ckpt_series: str) -> CheckpointNT:
     checkpoints = global_checkpoint_dict()
@@ -234,9 +299,13 @@ class InMemoryCheckpointer:
     """Snapshots the live state of `ckpt_series`; `validate` may veto it (see SaveWorker)."""
     series = self._series(ckpt_series)
 
-    def append(nest):
+    def append(nest):  # On the worker, one save at a time.
+      if nest is None:
+        self._superseded[ckpt_series] += 1
+        return
       with self._lock:
-        next_id = series.history[-1].id + 1 if series.history else 0
+        next_id = ((series.history[-1].id + 1 if series.history else 0)
+                   + self._superseded.pop(ckpt_series, 0))
         series.history.append(SnapshotNT(next_id, nest))
         del series.history[:-self._max_checkpoints_to_keep]
       logging.info("[jaxline_ng] Saved in-memory checkpoint %s/%d at step %d.",

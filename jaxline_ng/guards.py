@@ -24,7 +24,7 @@ of training speed; this design costs a deque append per step.
 
 import collections
 import threading
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -65,6 +65,7 @@ class NonFiniteGuard:
     self._lock = threading.Lock()  # Uncontended on the loop's thread: ~0.1 us.
     self._bad_seen_at: Optional[int] = None  # A step an observer saw non-finite.
     self._failure: Optional[NonFiniteError] = None
+    self._failed_step: Optional[int] = None
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     if self._failure is not None:
@@ -88,7 +89,7 @@ class NonFiniteGuard:
     else:
       self._forget_up_to(step)
 
-  def seal(self) -> Callable[[], None]:
+  def seal(self) -> "SealedCheck":
     """A check of every step so far, to run before saving them (on any thread).
 
     It reads the newest step's scalars (waiting for that step) and, if one
@@ -97,23 +98,25 @@ class NonFiniteGuard:
     """
     with self._lock:
       steps = list(self._unchecked)
-
-    def check_sealed_steps() -> None:
-      if self._failure is not None:
-        raise self._failure
-      if self._policy == "off" or not steps:
-        return
-      newest_step, newest = steps[-1]
-      if non_finite_names(_host_copy(newest)):
-        self._report_first_bad(steps)
-      else:
-        self._forget_up_to(newest_step)
-
-    return check_sealed_steps
+    return SealedCheck(self, steps)
 
   def check(self) -> None:
     """Checks every step so far; raises (halt) or logs (warn) on the first bad one."""
     self.seal()()
+
+  def _check_sealed(self, steps: list[tuple[int, Any]], newest_host: Optional[Any]) -> None:
+    # A save sealed before the bad step was found is judged on its own steps.
+    if self._failure is not None and (not steps or steps[-1][0] >= self._failed_step):
+      raise self._failure
+    if self._policy == "off" or not steps:
+      return
+    newest_step, newest = steps[-1]
+    if newest_host is None:
+      newest_host = _host_copy(newest)
+    if non_finite_names(newest_host):
+      self._report_first_bad(steps)
+    else:
+      self._forget_up_to(newest_step)
 
   def _forget_up_to(self, step: int) -> None:
     with self._lock:
@@ -138,6 +141,7 @@ class NonFiniteGuard:
       if self._policy == "warn":
         logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
         continue
+      self._failed_step = step
       self._failure = NonFiniteError(
           f"{message}; stopped without saving it (non_finite_policy='halt')")
       raise self._failure
@@ -148,6 +152,51 @@ class NonFiniteGuard:
 
   def wait_to_finish(self) -> None:
     pass
+
+
+class SealedCheck:
+  """`NonFiniteGuard.seal()`'s check of the steps up to a save; call it to run it."""
+
+  def __init__(self, guard: NonFiniteGuard, steps: list[tuple[int, Any]]):
+    self._guard = guard
+    self._steps = steps
+
+  def __call__(self, newest_host: Optional[Any] = None) -> None:
+    """Runs the check; `newest_host` is the newest step's scalars if already read."""
+    self._guard._check_sealed(self._steps, newest_host)  # pylint: disable=protected-access
+
+  @property
+  def newest_scalars(self) -> Optional[Any]:
+    """The device scalars the check reads, or None if it reads none."""
+    if self._guard._policy == "off" or not self._steps:  # pylint: disable=protected-access
+      return None
+    return dict(self._steps[-1][1])
+
+
+def run_in_order(checks: Sequence[Optional[Callable[[], None]]]) -> list[bool]:
+  """Runs `checks` (None passes) in order; whether each passed (did not raise).
+
+  The scalars every `SealedCheck` reads are copied to the host together
+  (`devices.first_shards_to_host`), not one transfer per check. A failing
+  check reports itself (see `NonFiniteGuard`); under "halt" every check
+  after it fails too.
+  """
+  sealed = [check for check in checks
+            if isinstance(check, SealedCheck) and check.newest_scalars is not None]
+  host_values = dict(zip(map(id, sealed), devices.first_shards_to_host(
+      [check.newest_scalars for check in sealed])))
+  passed = []
+  for check in checks:
+    try:
+      if isinstance(check, SealedCheck):
+        check(host_values.get(id(check)))
+      elif check is not None:
+        check()
+    except Exception:  # pylint: disable=broad-except  (the check reports its own failure)
+      passed.append(False)
+    else:
+      passed.append(True)
+  return passed
 
 
 def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:

@@ -225,21 +225,29 @@ def train(experiment_class, config, checkpointer, writer,
   if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
     save_latest()
 
-  # --- The loop. ---
+  # --- The loop, then the final step's logging and save. ---
   preempted = None
   try:
-    state.experiment_module.train_loop(config, state, actions, writer)
-  except preemption.Preempted as e:
-    logging.warning("[jaxline_ng] %s: saving and exiting.", e)
-    preemption.consume_stop_request()
-    preempted = e
+    try:
+      state.experiment_module.train_loop(config, state, actions, writer)
+    except preemption.Preempted as e:
+      logging.warning("[jaxline_ng] %s: saving and exiting.", e)
+      preemption.consume_stop_request()
+      preempted = e
+    for action in actions:
+      action.finish()
+    if save_checkpoints:
+      with experiment_lib.log_activity("final checkpoint"):
+        save_latest()
+  except BaseException:
+    # Saves made before the error still land (the guard vetoes any it covers).
+    try:
+      checkpointer.wait_for_checkpointing_to_finish()
+    except Exception:  # pylint: disable=broad-except  (the loop's error matters more)
+      logging.exception("[jaxline_ng] A pending save failed too:")
+    raise
 
-  # --- Wrap-up: log the final step, save it, wait for async work. ---
-  for action in actions:
-    action.finish()
-  if save_checkpoints:
-    with experiment_lib.log_activity("final checkpoint"):
-      save_latest()
+  # --- Wrap-up: wait for async work. ---
   checkpointer.wait_for_checkpointing_to_finish()
   if writer is not None:
     writer.flush()

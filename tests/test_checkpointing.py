@@ -2,10 +2,13 @@
 
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxline_ng import base_config, checkpointing, devices, experiment, rng, train, utils
+from jaxline_ng import base_config, checkpointing, devices, experiment, guards, rng, train
+from jaxline_ng import utils
 
 
 class Params(experiment.AbstractExperiment):
@@ -156,3 +159,49 @@ def test_device_snapshot_defers_host_work_to_the_save_worker():
   np.testing.assert_array_equal(host["experiment_module"]["opt_state"]["m"], np.arange(2.0))
   assert host["experiment_module"]["opt_state"]["n"] == 4
   assert host["experiment_module"]["epoch"] == 0
+
+
+def test_saves_close_together_go_in_one_batch_and_superseded_ones_stay_on_device(monkeypatch):
+  """Saves faster than the batch period: one read for all their checks, the
+  newest `max_checkpoints_to_keep` copied to host, ids consecutive."""
+  config = config_for(3)
+  config.max_checkpoints_to_keep = 2
+  monkeypatch.setattr(checkpointing.InMemoryCheckpointer, "SAVE_BATCH_SECONDS", 60.0)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  state = checkpointer.get_experiment_state("latest")
+  state.config = config
+  state.experiment_module = Params("train", None)
+  guard = guards.NonFiniteGuard("halt")
+  host_copies, reads = [], []
+  monkeypatch.setattr(devices, "to_host", lambda nest: host_copies.append(nest) or nest)
+  real_read = devices.first_shards_to_host
+  monkeypatch.setattr(devices, "first_shards_to_host",
+                      lambda trees: reads.append(len(trees)) or real_read(trees))
+  for step in range(1, 6):
+    state.global_step = step
+    guard(0.0, step, {"loss": devices.put_per_device(np.full(jax.local_device_count(), 1.0))})
+    checkpointer.save("latest", validate=guard.seal())
+  checkpointer.wait_for_checkpointing_to_finish()  # Flushes at once, not after 60 s.
+  history = utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+  # The first save found the worker idle; the other four waited together.
+  assert [snapshot.id for snapshot in history] == [3, 4]
+  assert [snapshot.pickle_nest["global_step"] for snapshot in history] == [4, 5]
+  assert [nest["global_step"] for nest in host_copies] == [1, 4, 5]
+  assert reads == [1, 4]
+
+
+def test_a_failing_save_does_not_stop_the_rest_of_its_batch():
+  worker = checkpointing.SaveWorker("test", batch_seconds=60.0)
+  stored = []
+
+  def persist(nest):
+    if nest["n"] == 1:
+      raise OSError("disk full")
+    stored.append(nest["n"])
+
+  for n in range(3):
+    worker.submit({"n": n}, None, persist)
+  with pytest.raises(OSError, match="disk full"):
+    worker.wait()
+  assert stored == [0, 2]
+  worker.wait()  # Raised once.

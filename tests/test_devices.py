@@ -53,18 +53,22 @@ def test_tree_psum_inside_pmap():
   assert float(utils.get_first(total)["a"]) == jax.local_device_count()
 
 
-def test_packed_first_holds_the_first_copy_in_one_buffer_per_dtype():
-  tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3), "count": jnp.int32(7),
-          "nested": (jnp.zeros((2, 2), jnp.bfloat16),)}
+def test_packed_first_holds_the_first_copy_in_one_buffer_per_width():
+  """Numbers of one width share a buffer (bit-cast, values kept exactly);
+  bools get their own."""
+  tree = {"w": jnp.arange(6.0).reshape(2, 3) - 2.5, "b": jnp.full(3, jnp.nan),
+          "count": jnp.int32(-7), "nested": (jnp.full((2, 2), 1.5, jnp.bfloat16),),
+          "mask": jnp.array([True, False]), "steps": jnp.uint16(9)}
   replicated = devices.bcast_local_devices(tree)
   assert devices.PackedFirst.can_pack(replicated)
   assert not devices.PackedFirst.can_pack({"host": np.ones((jax.local_device_count(), 2))})
   packed = devices.PackedFirst.pack(replicated)
-  assert len(packed.buffers) == 3  # float32, int32, bfloat16
-  host = devices.to_host({"experiment_module": {"params": packed}})
+  assert len(packed.buffers) == 3  # 32-bit, 16-bit, bool
+  host = devices.to_host({"experiment_module": {"params": packed}})["experiment_module"]["params"]
   expected = jax.device_get(devices.get_first(replicated))
-  jax.tree.map(np.testing.assert_array_equal, host["experiment_module"]["params"], expected)
-  assert host["experiment_module"]["params"]["nested"][0].dtype == jnp.bfloat16
+  jax.tree.map(np.testing.assert_array_equal, host, expected)
+  assert jax.tree.map(lambda x: x.dtype, host) == jax.tree.map(lambda x: x.dtype, expected)
+  assert host["nested"][0].dtype == jnp.bfloat16
 
 
 def test_first_shards_to_host_matches_reading_each_step_apart():
