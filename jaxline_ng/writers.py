@@ -12,6 +12,7 @@ interpreter exit.
 import atexit
 import functools
 import json
+import math
 import os
 import queue
 import struct
@@ -241,30 +242,37 @@ def _field(number: int, payload: bytes) -> bytes:
   return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
+# The `TensorProto` of a float32 scalar up to its 4 value bytes: dtype (1) =
+# DT_FLOAT (1), then the key and length of float_val (5, packed).
+_FLOAT32_TENSOR_HEAD = b"\x08\x01" + _varint(5 << 3 | 2) + _varint(4)
+
+
 @functools.lru_cache(maxsize=4096)
-def _summary_value_prefix(tag: str) -> bytes:
-  """`Summary.Value` fields `tag` (1) and `metadata` (9, the scalars plugin), serialized."""
+def _summary_value_head(tag: str) -> bytes:
+  """A `Summary.value` entry (field 1 of `Summary`) for `tag` up to its value bytes:
+  its key and length, `tag` (1), `metadata` (9, the scalars plugin) and the
+  key, length and head of `tensor` (8). Every entry of a tag has this head."""
   from tensorboard.compat.proto import summary_pb2  # Loaded with TensorFlow, by now.
 
   metadata = summary_pb2.SummaryMetadata(
       plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
-  return _field(1, tag.encode()) + _field(9, metadata.SerializeToString())
+  head = _field(1, tag.encode()) + _field(9, metadata.SerializeToString())
+  tensor = _field(8, _FLOAT32_TENSOR_HEAD + bytes(4))
+  entry = _field(1, head + tensor)
+  return entry[:-4]
 
 
 def _summary_value_bytes(tag: str, value: float) -> bytes:
-  """One `Summary.value` entry (field 1 of `Summary`) as `tf.summary.scalar` writes it:
-  a float32 tensor tagged for the scalars plugin.
+  """One `Summary.value` entry as `tf.summary.scalar` writes it: a float32
+  tensor tagged for the scalars plugin.
 
-  Serialized by hand from a cached prefix: building the protos costs ~10 us
+  Serialized by hand, from a cached head: building the protos costs ~10 us
   a value, and a run may log every step.
   """
   try:
-    packed = struct.pack("<f", value)
+    return _summary_value_head(tag) + struct.pack("<f", value)
   except OverflowError:  # Finite, but beyond float32: what a cast to float32 gives.
-    packed = struct.pack("<f", float("inf") if value > 0 else float("-inf"))
-  # TensorProto: dtype (1) = DT_FLOAT (1); float_val (5), packed.
-  tensor = b"\x08\x01" + _field(5, packed)
-  return _field(1, _summary_value_prefix(tag) + _field(8, tensor))
+    return _summary_value_head(tag) + struct.pack("<f", math.copysign(math.inf, value))
 
 
 class JsonlWriter:
@@ -382,13 +390,19 @@ class MultiWriter:
     self._call_all("close")
 
 
+# Values of these types are on the host already: the writer thread passes
+# them on without `jax.device_get`, which walks the row (logging every step
+# writes a row a step).
+_HOST_TYPES = (int, float, str, np.ndarray, np.generic)
+
+
 class AsyncWriter:
   """Runs a synchronous writer on one background thread.
 
   The calling thread only enqueues (a shallow copy of the mapping: NumPy
   arrays passed in must not be mutated afterwards). The single worker thread
-  moves values to host memory with `jax.device_get` and calls the wrapped
-  writer, so writes land in call order. Once `max_queue_size` writes are
+  moves device values to host memory with `jax.device_get` and calls the
+  wrapped writer, so writes land in call order. Once `max_queue_size` writes are
   pending, writing blocks until the worker catches up.
 
   If the wrapped writer raises, this writer is failed for good: later writes
@@ -453,7 +467,9 @@ class AsyncWriter:
           if hasattr(self._writer, "prepare"):
             self._writer.prepare()
         else:
-          global_step, values = jax.device_get(payload)
+          global_step, values = payload
+          if not all(isinstance(value, _HOST_TYPES) for value in values.values()):
+            global_step, values = jax.device_get(payload)
           getattr(self._writer, op)(int(global_step), values)
       except BaseException as e:
         if self._error is None:

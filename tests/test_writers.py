@@ -363,6 +363,21 @@ def test_async_writer_copies_to_host_on_the_worker_thread():
   assert values["probe"] == 2.0
 
 
+def test_async_writer_passes_host_rows_on_without_device_get(monkeypatch):
+  """Rows of host numbers (what logging every step writes) skip `jax.device_get`."""
+  def no_device_get(tree):
+    raise AssertionError(f"device_get of a host row: {tree}")
+
+  monkeypatch.setattr(writers.jax, "device_get", no_device_get)
+  inner = _RecordingWriter()
+  writer = writers.AsyncWriter(inner)
+  writer.write_scalars(3, {"loss": 0.5, "count": 7, "mean": np.float32(2.0),
+                           "image": np.zeros((2, 2))})
+  writer.close()
+  [(_, step, values, _)] = inner.calls
+  assert step == 3 and values["loss"] == 0.5 and values["count"] == 7
+
+
 def test_async_writer_reraises_worker_error_on_next_call_and_close():
   inner = _RecordingWriter(fail_at_step=1)
   writer = writers.AsyncWriter(inner)
