@@ -287,23 +287,26 @@ class PackedFirst(DeferredHostValue):
     self._plan = plan
     self._host_tree = None
 
+  @staticmethod
+  def _leaves_and_plan(tree: Any) -> tuple[list[Any], Optional[_PackPlan]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    if not all(isinstance(leaf, jax.Array) for leaf in leaves):
+      return leaves, None
+    return leaves, _pack_plan(
+        treedef, tuple((leaf.shape, leaf.dtype, leaf.sharding) for leaf in leaves))
+
   @classmethod
   def pack(cls, tree: Any) -> Optional["PackedFirst"]:
     """`tree` packed, or None if `can_pack(tree)` is False."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not all(isinstance(leaf, jax.Array) for leaf in leaves):
-      return None
-    plan = _pack_plan(treedef, tuple((leaf.shape, leaf.dtype, leaf.sharding) for leaf in leaves))
+    leaves, plan = cls._leaves_and_plan(tree)
     if plan is None:
       return None
     return cls(_pack_rows(leaves, groups=plan.groups), plan)
 
-  @staticmethod
-  def can_pack(tree: Any) -> bool:
+  @classmethod
+  def can_pack(cls, tree: Any) -> bool:
     """Whether every leaf is a per-device array (pmap layout) on the local devices."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return all(isinstance(leaf, jax.Array) for leaf in leaves) and _pack_plan(
-        treedef, tuple((leaf.shape, leaf.dtype, leaf.sharding) for leaf in leaves)) is not None
+    return cls._leaves_and_plan(tree)[1] is not None
 
   def to_host(self) -> Any:
     """The tree, copied once (later calls return the same host tree)."""

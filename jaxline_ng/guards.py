@@ -181,10 +181,10 @@ def run_in_order(checks: Sequence[Optional[Callable[[], None]]]) -> list[bool]:
   check reports itself (see `NonFiniteGuard`); under "halt" every check
   after it fails too.
   """
-  sealed = [check for check in checks
-            if isinstance(check, SealedCheck) and check.newest_scalars is not None]
-  host_values = dict(zip(map(id, sealed), devices.first_shards_to_host(
-      [check.newest_scalars for check in sealed])))
+  reads = [(check, check.newest_scalars) for check in checks if isinstance(check, SealedCheck)]
+  reads = [(check, scalars) for check, scalars in reads if scalars is not None]
+  host_values = {id(check): values for (check, _), values in zip(
+      reads, devices.first_shards_to_host([scalars for _, scalars in reads]))}
   passed = []
   for check in checks:
     try:

@@ -270,9 +270,10 @@ def _summary_value_bytes(tag: str, value: float) -> bytes:
   a value, and a run may log every step.
   """
   try:
-    return _summary_value_head(tag) + struct.pack("<f", value)
+    value_bytes = struct.pack("<f", value)
   except OverflowError:  # Finite, but beyond float32: what a cast to float32 gives.
-    return _summary_value_head(tag) + struct.pack("<f", math.copysign(math.inf, value))
+    value_bytes = struct.pack("<f", math.copysign(math.inf, value))
+  return _summary_value_head(tag) + value_bytes
 
 
 class JsonlWriter:
