@@ -7,7 +7,8 @@ Every measurement runs in worker processes on 4 fake CPU devices. A paired
 comparison runs A and B alternately inside each worker (A B, B A, ...;
 `--rounds` pairs per worker, `--processes` workers), each run timing
 `--steps` steps after a warmup; it reports the median of the per-pair
-ratios and their spread. On this machine identical runs differ by +-10 %
+ratios, a 90% bootstrap confidence interval of that median, and the
+quartiles of the ratios. On this machine identical runs differ by +-10 %
 whatever their length (an A/A comparison of the hand-written loop had the
 same interquartile range, 0.92-1.08, with runs of 250, 1,000 and 4,000
 steps), so the precision comes from the number of pairs: many short runs
@@ -21,6 +22,9 @@ Prints a table and writes it as JSON (`--out`).
 - loop_mesh: the same in mesh mode: a hand-written `jax.jit` loop over global
   arrays (batch sharded over `data`) vs `jaxline_ng.train` with
   `placement="mesh"`.
+- noise: the hand-written pmap loop against itself, paired the same way. It
+  reads 1 up to the machine's noise: its confidence interval is how far
+  apart two identical loops can measure, the floor under every other ratio.
 - overhead: the framework's own time per step, timed around a step that
   does no device work (the loop's bookkeeping alone), as a share of the
   hand-written loop's step time. Unlike the ratios, it does not drown in
@@ -39,6 +43,7 @@ Prints a table and writes it as JSON (`--out`).
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -304,6 +309,21 @@ WORKERS = {"hand": worker_hand, "hand_jit": worker_hand_jit, "framework": worker
            "save_stall": worker_save_stall, "startup": worker_startup}
 
 
+def _median_ci(ratios: list[float], level: float = 0.9, resamples: int = 2000) -> tuple:
+  """A bootstrap `level` confidence interval of the median of `ratios`.
+
+  Pairs are resampled with replacement; the seed is fixed so a results
+  file always prints the same interval.
+  """
+  if len(ratios) < 2:
+    return ratios[0], ratios[0]
+  draw = random.Random(0)
+  medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios)))
+                   for _ in range(resamples))
+  tail = int(resamples * (1 - level) / 2)
+  return medians[tail], medians[-tail - 1]
+
+
 def _paired(processes: int, rounds: int, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
   """Ratio of B's steps/s to A's over `processes` x `rounds` interleaved pairs.
 
@@ -316,11 +336,28 @@ def _paired(processes: int, rounds: int, a: tuple[str, dict], b: tuple[str, dict
     pairs += _run_worker("interleaved", a=list(a), b=list(b), rounds=rounds)["pairs"]
   ratios = sorted(b_rate / a_rate for a_rate, b_rate in pairs)
   quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-  return {"ratio_median": statistics.median(ratios), "ratio_min": ratios[0],
+  ci_low, ci_high = _median_ci(ratios)
+  return {"ratio_median": statistics.median(ratios), "ratio_ci90": [ci_low, ci_high],
+          "ratio_min": ratios[0],
           "ratio_max": ratios[-1], "ratio_q1": quartiles[0], "ratio_q3": quartiles[2],
           "a_steps_per_sec_median": statistics.median(a for a, _ in pairs),
           "b_steps_per_sec_median": statistics.median(b for _, b in pairs),
           "pairs": len(pairs), "steps_per_sec": [[round(a), round(b)] for a, b in pairs]}
+
+
+def _ratio_cells(result: dict) -> tuple[str, str, str]:
+  """Table cells of a paired ratio: median, its 90% CI, quartiles."""
+  low, high = result["ratio_ci90"]
+  return (f"{result['ratio_median']:.3f}", f"[{low:.3f}, {high:.3f}]",
+          f"[{result['ratio_q1']:.3f}, {result['ratio_q3']:.3f}]")
+
+
+def _slowdown_cells(result: dict) -> tuple[str, str, str]:
+  """Table cells of a paired ratio read as a slowdown, 1 - ratio, in percent."""
+  low, high = result["ratio_ci90"]
+  return (f"{100 * (1 - result['ratio_median']):.1f}%",
+          f"[{100 * (1 - high):.1f}, {100 * (1 - low):.1f}]%",
+          f"[{100 * (1 - result['ratio_q3']):.1f}, {100 * (1 - result['ratio_q1']):.1f}]%")
 
 
 def main(argv=None) -> int:
@@ -333,8 +370,8 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
   parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results.json"))
   parser.add_argument("--only", default="",
-                      help="comma-separated subset of: loop,loop_mesh,logging,checkpoint,"
-                           "save_stall,startup (prints JSON instead of the table)")
+                      help="comma-separated subset of: loop,loop_mesh,noise,overhead,logging,"
+                           "checkpoint,save_stall,startup (prints JSON instead of the table)")
   parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
   parser.add_argument("--kwargs", default="{}", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -355,6 +392,8 @@ def main(argv=None) -> int:
       "loop_mesh": lambda: _paired(
           processes, rounds, ("hand_jit", {"warmup": warmup, "steps": steps}),
           ("framework", {**framework, "placement": "mesh"})),
+      "noise": lambda: _paired(processes, rounds, ("hand", {"warmup": warmup, "steps": steps}),
+                               ("hand", {"warmup": warmup, "steps": steps})),
       "logging": lambda: _paired(processes, rounds, ("framework", framework),
                                  ("framework", {**framework, "write_every_step": True})),
       "checkpoint": lambda: _paired(processes, rounds, ("framework", framework),
@@ -376,36 +415,30 @@ def main(argv=None) -> int:
     json.dump(results, f, indent=2)
 
   loop, logging_, checkpoint = results["loop"], results["logging"], results["checkpoint"]
-  loop_mesh, overhead = results["loop_mesh"], results["overhead"]
+  loop_mesh, overhead, noise = results["loop_mesh"], results["overhead"], results["noise"]
   hand_step_us = 1e6 / loop["a_steps_per_sec_median"]
   stall, startup = results["save_stall"], results["startup"]
   rows = [
-      ("loop: framework / hand-written steps/s", f"{loop['ratio_median']:.3f}",
-       f"[{loop['ratio_q1']:.3f}, {loop['ratio_q3']:.3f}]", ">= 0.97"),
-      ("loop, mesh mode: framework / hand-written jit", f"{loop_mesh['ratio_median']:.3f}",
-       f"[{loop_mesh['ratio_q1']:.3f}, {loop_mesh['ratio_q3']:.3f}]", ">= 0.97"),
-      ("framework's own time per step", f"{overhead['us_per_step']:.0f} us",
+      ("loop: framework / hand-written steps/s", *_ratio_cells(loop), ">= 0.97"),
+      ("loop, mesh mode: framework / hand-written jit", *_ratio_cells(loop_mesh), ">= 0.97"),
+      ("noise: hand-written loop / itself (A/A)", *_ratio_cells(noise), "1 (control)"),
+      ("framework's own time per step", f"{overhead['us_per_step']:.0f} us", "",
        f"{100 * overhead['us_per_step'] / hand_step_us:.1f}% of a {hand_step_us:.0f} us step",
        "<= 3%"),
-      ("logging every step: slowdown", f"{100 * (1 - logging_['ratio_median']):.1f}%",
-       f"[{100 * (1 - logging_['ratio_q3']):.1f}, {100 * (1 - logging_['ratio_q1']):.1f}]%",
-       "<= 3%"),
-      ("in-memory checkpoint every 10 steps: slowdown",
-       f"{100 * (1 - checkpoint['ratio_median']):.1f}%",
-       f"[{100 * (1 - checkpoint['ratio_q3']):.1f}, {100 * (1 - checkpoint['ratio_q1']):.1f}]%",
-       "<= 5%"),
+      ("logging every step: slowdown", *_slowdown_cells(logging_), "<= 3%"),
+      ("in-memory checkpoint every 10 steps: slowdown", *_slowdown_cells(checkpoint), "<= 5%"),
       ("disk save stall / device->host copy",
-       f"{stall['disk']['stall_ms'] / stall['disk']['copy_ms']:.2f}x",
+       f"{stall['disk']['stall_ms'] / stall['disk']['copy_ms']:.2f}x", "",
        f"{stall['disk']['stall_ms']:.1f} ms vs {stall['disk']['copy_ms']:.1f} ms", "<= 1.5x"),
       ("in-memory save stall / device->host copy",
-       f"{stall['memory']['stall_ms'] / stall['memory']['copy_ms']:.2f}x",
+       f"{stall['memory']['stall_ms'] / stall['memory']['copy_ms']:.2f}x", "",
        f"{stall['memory']['stall_ms']:.1f} ms vs {stall['memory']['copy_ms']:.1f} ms", ""),
-      ("framework start-up", f"{startup['framework_s']:.2f} s",
+      ("framework start-up", f"{startup['framework_s']:.2f} s", "",
        f"first step at {startup['to_first_step_s']:.2f} s", "<= 0.5 s"),
   ]
-  print(f"{'benchmark':48} {'median':>9}  {'[quartiles] / detail':34} target")
-  for name, value, detail, target in rows:
-    print(f"{name:48} {value:>9}  {detail:34} {target}")
+  print(f"{'benchmark':46} {'median':>7}  {'90% CI':16} {'quartiles / detail':26} target")
+  for name, value, interval, detail, target in rows:
+    print(f"{name:46} {value:>7}  {interval:16} {detail:26} {target}")
   print(f"hand-written pmap loop: {loop['a_steps_per_sec_median']:.0f} steps/s, framework: "
         f"{loop['b_steps_per_sec_median']:.0f} steps/s; hand-written jit loop: "
         f"{loop_mesh['a_steps_per_sec_median']:.0f} steps/s, framework (mesh): "
