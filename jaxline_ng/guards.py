@@ -23,6 +23,7 @@ of training speed; this design costs a deque append per step.
 """
 
 import collections
+import math
 import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -46,6 +47,14 @@ def non_finite_names(scalars: Mapping[str, Any]) -> list[str]:
   """The names of host scalars that are NaN or infinite, sorted."""
   bad = []
   for name, value in scalars.items():
+    # Python numbers (what logging reads) skip NumPy: ~0.1 us against ~3 us
+    # a value, for every step when logging every step.
+    if type(value) is float:
+      if not math.isfinite(value):
+        bad.append(name)
+      continue
+    if type(value) in (int, bool):
+      continue
     array = np.asarray(value)
     if np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all():
       bad.append(name)

@@ -3,6 +3,7 @@
 import glob
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -137,6 +138,14 @@ def test_scalars_that_change_from_step_to_step_are_checked_too():
   guard(0.0, 2, {"loss": jnp.float32(1.0), "grad_norm": jnp.float32(np.inf), "tag": "x"})
   with pytest.raises(guards.NonFiniteError, match="grad_norm at step 2 "):
     guard.check()
+
+
+def test_non_finite_names_of_python_numbers_and_arrays():
+  scalars = {"b_nan": float("nan"), "a_inf": -math.inf, "ok": 0.5, "count": 3, "flag": True,
+             "np_nan": np.float32("nan"), "array_inf": np.array([1.0, np.inf]),
+             "ints": np.array([1, 2])}
+  assert guards.non_finite_names(scalars) == ["a_inf", "array_inf", "b_nan", "np_nan"]
+  assert guards.non_finite_names({"loss": 1e300, "steps_per_sec": 1012.5}) == []
 
 
 def test_warn_continues_and_off_is_silent(caplog):
