@@ -4,7 +4,9 @@ The meaning is jaxline's: the platform constructs the experiment as
 `cls(mode, init_rng=..., **config.experiment_kwargs)`, calls `step` once per
 training step and `evaluate` once per checkpoint, both with the keyword
 arguments `global_step`, `rng` and `writer`. `global_step` and `rng` carry a
-leading axis of size `jax.local_device_count()`, ready to pass to a pmap.
+leading axis of size `jax.local_device_count()`, ready to pass to a pmap; in
+training, `global_step` is a host NumPy array (so `global_step[0]` is free, as
+it was in jaxline), `rng` a device array.
 
 State listed in `CHECKPOINT_ATTRS` (`{attribute: checkpoint name}`) is
 pmap-replicated: one copy is checkpointed and it is restored replicated.

@@ -31,10 +31,11 @@ RANDOM_MODES = (
 # initialises the experiment (`init_rng`), unless legacy behaviour is asked for.
 _TRAIN_STREAM = 1
 
-# Steps whose global step and key are computed by one device dispatch; the
-# loop then hands out ready arrays. Each step still costs its two output arrays
-# (~3.6 us on 4 CPU devices); 32 makes the dispatch itself ~3 us per step,
-# and compiles in ~0.3 s, off the critical path (`compile_ahead`).
+# Steps whose keys (and, in mesh mode, global steps) are computed by one
+# device dispatch; the loop then hands out ready arrays. Each step still
+# costs its output arrays (~1 us per device buffer on 4 CPU devices); 32
+# makes the dispatch itself ~3 us per step, and compiles in ~0.3 s, off the
+# critical path (`compile_ahead`).
 STEPS_PER_DISPATCH = 32
 
 
@@ -166,14 +167,14 @@ def train_chain_key(random_seed: int, legacy_random_seed_behavior: bool):
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
 def _advance_steps(global_step, chain, num_steps):
-  """The global steps, step keys and chain keys of the next `num_steps` steps.
+  """The step keys and chain keys of the next `num_steps` steps, and their global steps.
 
   `chain` is one key (mesh mode) or one per device (pmap mode, [devices, 2]).
-  Returns per-step lists of global steps and step keys (each step gets ready
-  arrays, no dispatch), the chain keys after each step stacked in one array
-  (read only when a checkpoint asks, see `PendingChainKey`), the last of
-  them, and the global step after the last step. A scan keeps compilation
-  short.
+  Returns the per-step keys as a list (each step gets a ready array, no
+  dispatch), the chain keys after each step stacked in one array (read only
+  when a checkpoint asks, see `PendingChainKey`), the last of them, and,
+  unless `global_step` is None, the per-step global steps as a list and the
+  global step after the last step. A scan keeps compilation short.
   """
   split = jax.vmap(jax.random.split) if chain.ndim == 2 else jax.random.split
 
@@ -183,8 +184,9 @@ def _advance_steps(global_step, chain, num_steps):
     return next_chain, (children[..., 1, :], next_chain)
 
   last_chain, (step_keys, chains) = jax.lax.scan(advance, chain, length=num_steps)
-  return ([global_step + i for i in range(num_steps)], [step_keys[i] for i in range(num_steps)],
-          chains, last_chain, global_step + num_steps)
+  counts = None if global_step is None else (
+      [global_step + i for i in range(num_steps)], global_step + num_steps)
+  return [step_keys[i] for i in range(num_steps)], chains, last_chain, counts
 
 
 @jax.jit
@@ -239,24 +241,44 @@ def step_counter(global_step: int, like):
 class StepInputs:
   """Hands each training step its `global_step` and `rng`, placed for the run.
 
-  Computes `STEPS_PER_DISPATCH` steps' worth of inputs per device dispatch, so
-  the loop does not pay a dispatch per step for bookkeeping.
+  Computes `STEPS_PER_DISPATCH` steps' keys per device dispatch, so the loop
+  does not pay a dispatch per step for bookkeeping. In pmap mode the global
+  step is a read-only host array, `int32[local devices]`: jaxline passed a
+  NumPy array too (at the first step), published experiments read it with
+  `global_step[0]` or `utils.get_first`, which on a device array would gather
+  it across devices (~0.5 ms), and a pmap takes it as it is (~7 us a call
+  for the transfer). In mesh mode it is one int32 replicated over the mesh,
+  computed with the keys.
   """
 
   def __init__(self, global_step: int, chain):
-    self._global_step_devices = step_counter(global_step, chain)
+    self._per_device = chain.ndim == 2
+    self._next_step = global_step
+    self._global_step_devices = None if self._per_device else step_counter(global_step, chain)
     self._chain = chain
     self._ready = []
 
   def next(self):
-    """Returns `(global_step_devices, step_rng, next_chain)` for the next step.
+    """Returns `(global_step, step_rng, next_chain)` for the next step.
 
     `next_chain` is a `PendingChainKey`.
     """
     if not self._ready:
-      steps, step_keys, chains, self._chain, self._global_step_devices = _advance_steps(
+      step_keys, chains, self._chain, counts = _advance_steps(
           self._global_step_devices, self._chain, num_steps=STEPS_PER_DISPATCH)
+      if self._per_device:
+        steps = self._host_steps(self._chain.shape[0])
+      else:
+        steps, self._global_step_devices = counts
+      self._next_step += STEPS_PER_DISPATCH
       self._ready = [(step, key, PendingChainKey(chains, index))
                      for index, (step, key) in enumerate(zip(steps, step_keys))]
       self._ready.reverse()
     return self._ready.pop()
+
+  def _host_steps(self, num_devices: int) -> np.ndarray:
+    """The next block's global steps, one read-only `int32[num_devices]` row per step."""
+    counts = np.arange(self._next_step, self._next_step + STEPS_PER_DISPATCH, dtype=np.int32)
+    rows = np.repeat(counts[:, None], num_devices, axis=1)
+    rows.flags.writeable = False
+    return rows

@@ -47,7 +47,7 @@ class Counting(experiment.AbstractExperiment):
     self._add = jax.pmap(lambda c: c + 1, axis_name="i", donate_argnums=0)
 
   def step(self, global_step, rng, writer):
-    Counting.seen.append((np.asarray(global_step), np.asarray(rng)))
+    Counting.seen.append((global_step, np.asarray(rng)))
     self._count = self._add(self._count)
     return {"count": utils.get_first(self._count)}
 
@@ -68,6 +68,9 @@ def test_step_sees_per_device_global_step_and_raw_keys(steps):
   num_devices = jax.local_device_count()
   assert len(Counting.seen) == steps
   for expected_step, (global_step, key) in enumerate(Counting.seen):
+    # A host array, as jaxline's first step had: reading it never gathers.
+    assert isinstance(global_step, np.ndarray) and global_step.dtype == np.int32
+    assert not global_step.flags.writeable
     np.testing.assert_array_equal(global_step, np.full(num_devices, expected_step))
     assert key.shape == (num_devices, 2) and key.dtype == np.uint32
   keys = np.stack([key for _, key in Counting.seen])
