@@ -166,15 +166,14 @@ def train_chain_key(random_seed: int, legacy_random_seed_behavior: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("num_steps",))
-def _advance_steps(global_step, chain, num_steps):
-  """The step keys and chain keys of the next `num_steps` steps, and their global steps.
+def _advance_steps(chain, num_steps):
+  """The step keys and chain keys of the next `num_steps` steps.
 
   `chain` is one key (mesh mode) or one per device (pmap mode, [devices, 2]).
   Returns the per-step keys as a list (each step gets a ready array, no
   dispatch), the chain keys after each step stacked in one array (read only
-  when a checkpoint asks, see `PendingChainKey`), the last of them, and,
-  unless `global_step` is None, the per-step global steps as a list and the
-  global step after the last step. A scan keeps compilation short.
+  when a checkpoint asks, see `PendingChainKey`), and the last of them. A
+  scan keeps compilation short.
   """
   split = jax.vmap(jax.random.split) if chain.ndim == 2 else jax.random.split
 
@@ -184,9 +183,7 @@ def _advance_steps(global_step, chain, num_steps):
     return next_chain, (children[..., 1, :], next_chain)
 
   last_chain, (step_keys, chains) = jax.lax.scan(advance, chain, length=num_steps)
-  counts = None if global_step is None else (
-      [global_step + i for i in range(num_steps)], global_step + num_steps)
-  return [step_keys[i] for i in range(num_steps)], chains, last_chain, counts
+  return [step_keys[i] for i in range(num_steps)], chains, last_chain
 
 
 @jax.jit
@@ -242,19 +239,16 @@ class StepInputs:
   """Hands each training step its `global_step` and `rng`, placed for the run.
 
   Computes `STEPS_PER_DISPATCH` steps' keys per device dispatch, so the loop
-  does not pay a dispatch per step for bookkeeping. In pmap mode the global
-  step is a read-only host array, `int32[local devices]`: jaxline passed a
-  NumPy array too (at the first step), published experiments read it with
-  `global_step[0]` or `utils.get_first`, which on a device array would gather
-  it across devices (~0.5 ms), and a pmap takes it as it is (~7 us a call
-  for the transfer). In mesh mode it is one int32 replicated over the mesh,
-  computed with the keys.
+  does not pay a dispatch per step for bookkeeping. The global step is a
+  host value: in pmap mode a read-only `int32[local devices]` array, in mesh
+  mode an `int32` scalar. jaxline passed a NumPy array too (at the first
+  step); published experiments read it with `global_step[0]` or
+  `utils.get_first`, which on a device array would gather it across devices
+  (~0.5 ms), while a pmap or jit that takes it pays ~7 us for the transfer.
   """
 
   def __init__(self, global_step: int, chain):
-    self._per_device = chain.ndim == 2
     self._next_step = global_step
-    self._global_step_devices = None if self._per_device else step_counter(global_step, chain)
     self._chain = chain
     self._ready = []
 
@@ -264,21 +258,14 @@ class StepInputs:
     `next_chain` is a `PendingChainKey`.
     """
     if not self._ready:
-      step_keys, chains, self._chain, counts = _advance_steps(
-          self._global_step_devices, self._chain, num_steps=STEPS_PER_DISPATCH)
-      if self._per_device:
-        steps = self._host_steps(self._chain.shape[0])
-      else:
-        steps, self._global_step_devices = counts
+      step_keys, chains, self._chain = _advance_steps(self._chain,
+                                                      num_steps=STEPS_PER_DISPATCH)
+      steps = np.arange(self._next_step, self._next_step + STEPS_PER_DISPATCH, dtype=np.int32)
+      if self._chain.ndim == 2:  # pmap mode: one row per device.
+        steps = np.repeat(steps[:, None], self._chain.shape[0], axis=1)
+        steps.flags.writeable = False
       self._next_step += STEPS_PER_DISPATCH
       self._ready = [(step, key, PendingChainKey(chains, index))
                      for index, (step, key) in enumerate(zip(steps, step_keys))]
       self._ready.reverse()
     return self._ready.pop()
-
-  def _host_steps(self, num_devices: int) -> np.ndarray:
-    """The next block's global steps, one read-only `int32[num_devices]` row per step."""
-    counts = np.arange(self._next_step, self._next_step + STEPS_PER_DISPATCH, dtype=np.int32)
-    rows = np.repeat(counts[:, None], num_devices, axis=1)
-    rows.flags.writeable = False
-    return rows

@@ -71,12 +71,14 @@ def test_step_gets_scalar_step_and_one_key(tmp_path):
   class Recording(toy.Experiment):
 
     def step(self, global_step, rng, writer):  # pylint: disable=redefined-outer-name
-      seen.append((global_step.shape, rng.shape, rng.dtype, global_step.sharding.spec))
+      seen.append((global_step, rng.shape, rng.dtype, rng.sharding.spec))
       return super().step(global_step, rng, writer)
 
   config = toy_config(tmp_path, "mesh", steps=2)
   train.train(Recording, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
-  assert seen[0] == ((), (2,), np.uint32, PartitionSpec())
+  # The step count is a host int32 scalar (reading it costs nothing), the key replicated.
+  assert [type(step) for step, *_ in seen] == [np.int32, np.int32]
+  assert seen == [(0, (2,), np.uint32, PartitionSpec()), (1, (2,), np.uint32, PartitionSpec())]
 
 
 def test_mesh_resume_from_disk_continues_identically_with_shardings(tmp_path):
