@@ -59,7 +59,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.best_model_eval_metric = ""
   config.best_model_eval_metric_higher_is_better = True
 
-  # Steps dispatched ahead of the device at most; None: 2 on CPU with several
+  # Steps dispatched ahead of the devices at most; None: 8 on CPU with several
   # devices (avoids an XLA CPU collective deadlock), unlimited elsewhere.
   config.max_steps_in_flight = config_dict.placeholder(int)
 
