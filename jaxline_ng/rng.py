@@ -31,11 +31,10 @@ RANDOM_MODES = (
 # initialises the experiment (`init_rng`), unless legacy behaviour is asked for.
 _TRAIN_STREAM = 1
 
-# Steps whose keys (and, in mesh mode, global steps) are computed by one
-# device dispatch; the loop then hands out ready arrays. Each step still
-# costs its output arrays (~1 us per device buffer on 4 CPU devices); 32
-# makes the dispatch itself ~3 us per step, and compiles in ~0.3 s, off the
-# critical path (`compile_ahead`).
+# Steps whose keys are computed by one device dispatch; the loop then hands
+# out ready arrays. Each step still costs its key array (~1 us per device
+# buffer on 4 CPU devices); 32 makes the dispatch itself ~3 us per step, and
+# compiles in ~0.3 s, off the critical path (`compile_ahead`).
 STEPS_PER_DISPATCH = 32
 
 
@@ -226,7 +225,8 @@ def compile_ahead(random_seed: int, mode: str, train_stream: bool) -> None:
 
 
 def step_counter(global_step: int, like):
-  """`global_step` placed as `step` receives it: per device (pmap) or one, replicated (mesh).
+  """`global_step` placed as `evaluate` receives it: per device (pmap) or one, replicated
+  (mesh). Training steps get it as a host value instead (`StepInputs`).
 
   `like` is a key of the run's placement (per-device keys have two axes).
   """
