@@ -322,6 +322,11 @@ def evaluate(experiment_class, config, checkpointer, writer,
              stop_waiting=None) -> None:
   """Evaluates each new checkpoint of the `latest` series once.
 
+  Each step is evaluated at most once, in increasing order. A save can land
+  between `restore_path` and `restore`, so the checkpoint restored may be newer
+  than the one polled; the step restored, not the path, says what was
+  evaluated (keying on the path evaluated such a step twice).
+
   Stops after evaluating a checkpoint whose step ends training (by the
   experiment's `should_run_step`), after one evaluation with
   `one_off_evaluate`, or — in `train_eval_multithreaded`, where
@@ -348,15 +353,18 @@ def evaluate(experiment_class, config, checkpointer, writer,
   evaluate_fn = experiment_lib.evaluate_should_return_dict(
       experiment_lib.keyword_filtered(experiment.evaluate))
 
-  evaluated_path = None
+  restored_path = None
+  evaluated_step = -1
   initial_weights_pending = config.eval_initial_weights
   while True:
     # --- Wait for something to evaluate. ---
     path = checkpointer.restore_path("latest")
-    if path is not None and path != evaluated_path:
+    if path is not None and path != restored_path:
       with experiment_lib.log_activity("checkpoint restore"):
         checkpointer.restore("latest")
-      evaluated_path = path
+      restored_path = path
+      if state.global_step <= evaluated_step:
+        continue
     elif path is None and initial_weights_pending:
       state.global_step = 0
     elif (stop_waiting is not None and stop_waiting()) or preemption.stop_requested():
@@ -365,6 +373,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
       time.sleep(poll_interval_secs)
       continue
     initial_weights_pending = False
+    evaluated_step = state.global_step
 
     # --- Evaluate, write, track the best. ---
     global_step_devices = rng.step_counter(state.global_step, like=eval_rng)

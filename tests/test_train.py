@@ -308,6 +308,38 @@ def test_multithreaded_constructs_eval_experiment_with_its_mode():
   assert eval_writer.scalars[-1] == (4, {"count": 4})
 
 
+class RacingCheckpointer:
+  """Polls see checkpoints 1, 2, 3, but the save of 2 lands between the first
+  poll and its `restore`, as a trainer in another process can make it: the
+  restores load 2, 2, 3."""
+  POLLED_STEPS = [1, 2, 3]
+  RESTORED_STEPS = [2, 2, 3]
+
+  def __init__(self):
+    self._state = checkpointing.ExperimentState()
+    self._polls = 0
+
+  def get_experiment_state(self, ckpt_series):
+    return self._state
+
+  def restore_path(self, ckpt_series):
+    self._polls += 1
+    return f"step_{self.POLLED_STEPS[self._polls - 1]}"
+
+  def restore(self, ckpt_series):
+    self._state.global_step = self.RESTORED_STEPS[self._polls - 1]
+
+  def wait_for_checkpointing_to_finish(self):
+    pass
+
+
+def test_evaluator_evaluates_each_step_once_when_saves_race_its_polls():
+  writer = Recorder()
+  train.evaluate(Counting, make_config(training_steps=3), RacingCheckpointer(), writer,
+                 jaxline_mode="eval", poll_interval_secs=0)
+  assert [step for step, _ in writer.scalars] == [2, 3]
+
+
 def test_steps_in_flight_are_bounded_on_cpu_with_several_devices():
   config = make_config()
   assert experiment.steps_in_flight_limit(config) == 8  # 4 fake CPU devices
