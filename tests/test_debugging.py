@@ -1,5 +1,6 @@
 """--jaxline_disable_pmap_jit: steps run eagerly, so breakpoints see values."""
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -46,6 +47,7 @@ if __name__ == "__main__":
 
 
 def run(tmp_path, *flags_):
+  tmp_path.mkdir(parents=True, exist_ok=True)
   script = tmp_path / "debug_exp.py"
   script.write_text(SCRIPT)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -57,8 +59,11 @@ def run(tmp_path, *flags_):
 
 
 def test_disable_pmap_jit_runs_steps_eagerly(tmp_path):
-  for flag in ("--jaxline_disable_pmap_jit", "--disable_pmap_jit"):
-    result = run(tmp_path, flag)
+  flags_ = ("--jaxline_disable_pmap_jit", "--disable_pmap_jit")
+  # Both runs at once: each is mostly one core's import and start-up.
+  with concurrent.futures.ThreadPoolExecutor(len(flags_)) as pool:
+    results = list(pool.map(lambda flag: run(tmp_path / flag.strip("-"), flag), flags_))
+  for result in results:
     assert result.returncode == 0, result.stderr
     pmap_lines = [l for l in result.stdout.splitlines() if l.startswith("PMAP_SEES")]
     # Called every step (eager), not traced once, and showing each device's values.
