@@ -159,12 +159,20 @@ class TensorBoardWriter:
     os.makedirs(self._logdir, exist_ok=True)
     writer = tf.summary.create_file_writer(self._logdir)
 
+    # An explicit while_loop, not autograph: autograph converts the function
+    # through a generated source file that it leaves in the temp directory,
+    # one per writer (per run).
     @tf.function(input_signature=[tf.TensorSpec([None], tf.int64),
-                                  tf.TensorSpec([None], tf.string)])
+                                  tf.TensorSpec([None], tf.string)], autograph=False)
     def write_rows(steps, summaries):
+
+      def write_row(i):
+        written = tf.summary.experimental.write_raw_pb(summaries[i], step=steps[i])
+        with tf.control_dependencies([written]):
+          return i + 1
+
       with writer.as_default():
-        for i in tf.range(tf.shape(steps)[0]):
-          tf.summary.experimental.write_raw_pb(summaries[i], step=steps[i])
+        tf.while_loop(lambda i: i < tf.shape(steps)[0], write_row, [tf.constant(0)])
       return tf.constant(0)
 
     self._tf, self._writer, self._write_rows = tf, writer, write_rows

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -149,6 +150,16 @@ def test_tensorboard_scalars_round_trip_exactly(tmp_path):
   ]
   with pytest.raises(ValueError, match="closed"):
     writer.write_scalars(8, {"loss": 0.0})
+
+
+def test_tensorboard_writer_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
+  temp_dir = tmp_path / "temp"
+  temp_dir.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))
+  writer = writers.TensorBoardWriter(str(tmp_path / "logs"))
+  writer.write_scalars(0, {"loss": 0.5})
+  writer.close()
+  assert not os.listdir(temp_dir)  # Autograph left a source file per writer.
 
 
 def test_scalar_rows_serialize_as_the_protos_would():
