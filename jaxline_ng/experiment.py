@@ -18,6 +18,7 @@ import collections
 import functools
 import inspect
 import math
+import os
 import time
 from typing import Any, Mapping, Optional
 
@@ -146,20 +147,54 @@ class AbstractExperiment(abc.ABC):
     """
 
 
+# XLA's CPU client runs a multi-device dispatch as one task per device on its
+# thread pool, and each task waits there while its device has 32 executions
+# in flight. So every thread that dispatches can hold one pool thread per
+# device, and the collective in progress needs one per device too. With this
+# many pool threads per device, seven threads (training, logging, saving,
+# evaluation, the user's) can dispatch at once and the collective still runs.
+_SAFE_POOL_THREADS_PER_DEVICE = 8
+
+
+def cpu_pool_threads() -> int:
+  """The size of XLA's CPU client thread pool, as XLA works it out.
+
+  The larger of the local device count and `PJRT_NPROC`, else `NPROC`, else
+  the CPUs this process may run on (XLA reads the variables when the
+  backend starts; a value that is not an integer is skipped, as XLA does).
+  """
+  threads = None
+  for name in ("PJRT_NPROC", "NPROC"):
+    try:
+      threads = max(0, int(os.environ[name]))
+      break
+    except (KeyError, ValueError):
+      continue
+  if threads is None:
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return max(threads or 0, jax.local_device_count())
+
+
 def steps_in_flight_limit(config) -> int:
   """How many steps may be dispatched but unfinished; 0 for no limit.
 
-  `config.max_steps_in_flight` (None: automatic). Automatic is 8 on the CPU
-  backend with several local devices and unlimited elsewhere: XLA's CPU client
-  runs one thread per device on a machine with fewer cores than devices, and
-  when the host runs ~32 steps ahead a later step's launch takes the thread a
-  device needs for the current step's collective, which deadlocks (XLA aborts
-  after 40 s). Measurements in tests/README.md.
+  `config.max_steps_in_flight` (None: automatic). Automatic is 8 on a CPU
+  backend with several local devices whose thread pool has fewer than 8
+  threads per device (`cpu_pool_threads`), and unlimited elsewhere. With
+  such a pool, a host ~32 steps ahead has its later dispatches hold the pool
+  threads a device needs for the current step's collective, which deadlocks
+  (XLA aborts after 40 s): on a 2-core machine the pool has one thread per
+  device. Measurements in tests/README.md.
   """
   limit = getattr(config, "max_steps_in_flight", None)
   if limit is not None:
     return limit
-  return 8 if jax.default_backend() == "cpu" and jax.local_device_count() > 1 else 0
+  local_devices = jax.local_device_count()
+  if jax.default_backend() != "cpu" or local_devices == 1:
+    return 0
+  if cpu_pool_threads() >= _SAFE_POOL_THREADS_PER_DEVICE * local_devices:
+    return 0
+  return 8
 
 
 class StepsInFlight:

@@ -342,9 +342,27 @@ def test_evaluator_evaluates_each_step_once_when_saves_race_its_polls():
 
 def test_steps_in_flight_are_bounded_on_cpu_with_several_devices():
   config = make_config()
-  assert experiment.steps_in_flight_limit(config) == 8  # 4 fake CPU devices
+  # 4 fake CPU devices, and conftest's PJRT_NPROC=8: 2 pool threads per device.
+  assert experiment.steps_in_flight_limit(config) == 8
   config.max_steps_in_flight = 0
   assert experiment.steps_in_flight_limit(config) == 0
+
+
+@pytest.mark.parametrize("env, cpus, limit", [
+    ({"PJRT_NPROC": "32"}, 2, 0),              # 8 pool threads per device: safe unbounded
+    ({"PJRT_NPROC": "31"}, 64, 8),             # PJRT_NPROC wins over the CPUs
+    ({"NPROC": "32"}, 2, 0),
+    ({"PJRT_NPROC": "many", "NPROC": "16"}, 64, 8),  # not an integer: skipped, as XLA does
+    ({}, 2, 8),                                # a 2-core machine: one thread per device
+    ({}, 32, 0),
+])
+def test_steps_in_flight_bound_depends_on_the_cpu_pool(monkeypatch, env, cpus, limit):
+  for name in ("PJRT_NPROC", "NPROC"):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setattr(experiment.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+  assert experiment.steps_in_flight_limit(make_config()) == limit
 
 
 class Waited:
