@@ -71,6 +71,41 @@ def test_packed_first_holds_the_first_copy_in_one_buffer_per_width():
   assert host["nested"][0].dtype == jnp.bfloat16
 
 
+def test_packed_first_is_the_first_devices_copy_and_only_it_copies():
+  """Replicas that differ (a pmap with its own axis name made them) pack as
+  the first device's, as `get_first` reads them; the other devices' rows
+  hold zeros, not copies."""
+  count = jax.local_device_count()
+  per_device = jax.pmap(lambda x: {"w": x * 2.0, "n": (x[0] + 1).astype(jnp.int32)},
+                        axis_name="batch")(
+      devices.put_per_device(np.arange(count * 3, dtype=np.float32).reshape(count, 3) + 1))
+  packed = devices.PackedFirst.pack(per_device)
+  host = packed.to_host()
+  jax.tree.map(np.testing.assert_array_equal, host,
+               jax.device_get(devices.get_first(per_device)))
+  for buffer in packed.buffers:
+    for position in range(1, count):
+      assert not np.asarray(buffer.addressable_data(position)).any()
+
+
+def test_packed_first_packs_across_axis_names_but_not_device_orders():
+  """A pmap's outputs (mesh axis "batch") and `put_per_device` arrays (axis "i")
+  pack together; arrays whose rows go to the devices in another order are
+  read with `get_first` instead."""
+  count = jax.local_device_count()
+  on_i = devices.put_per_device(np.ones((count, 2), np.float32))
+  on_batch = jax.pmap(lambda x: x + 1, axis_name="batch")(on_i)
+  reversed_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[::-1]), ("r",))
+  on_reversed = jax.device_put(np.arange(count, dtype=np.float32)[:, None],
+                               jax.sharding.NamedSharding(reversed_mesh, jax.sharding.PartitionSpec("r")))
+  assert devices.PackedFirst.can_pack({"a": on_i, "b": on_batch})
+  host = devices.to_host(devices.packed_first({"a": on_i, "b": on_batch}))
+  np.testing.assert_array_equal(host["b"], np.full(2, 2.0))
+  assert not devices.PackedFirst.can_pack({"a": on_i, "r": on_reversed})
+  first = jax.device_get(devices.packed_first({"a": on_i, "r": on_reversed}))
+  np.testing.assert_array_equal(first["r"], [0.0])
+
+
 def test_first_shards_to_host_matches_reading_each_step_apart():
   """Stacked chunks (64 and 16 steps), leftovers, host leaves and a changed
   structure all give what `device_get(first_shards(...))` gives."""
