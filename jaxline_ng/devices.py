@@ -240,10 +240,11 @@ def _pack_rows(leaves, groups, mesh):
   other devices' rows zeros.
 
   `mesh` is the first leaf's one-axis mesh. Only the first device copies: the
-  others, each holding its own replica, fill their row with zeros, which
-  costs a third of a copy. Measured in-process on 4 CPU devices, a save
-  every 10 steps slowed training by 2.4 % this way and 4.1 % when every
-  device copied its replica (90 interleaved pairs each).
+  others, each holding its own replica, fill their row with zeros (writes
+  without reads). On 4 CPU devices the benchmark MLP's pack took 213 us
+  this way and 438 us when every device copied (ready inputs), and a save
+  every 10 steps slowed training by 2.4 % instead of 4.1 % (in-process A/B,
+  90 interleaved pairs).
   """
   axis = mesh.axis_names[0]
 
