@@ -10,7 +10,7 @@ one `jax.device_put` per leaf.
 import abc
 import functools
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -114,8 +114,8 @@ def first_shards(tree: Any) -> Any:
   return jax.tree.map(_first_shard_if_one_copy, tree)
 
 
-# Batches of this many steps' scalars are read through one stacking dispatch
-# (`first_shards_to_host`); the stack compiles once per size and structure.
+# Batches of this many steps' scalars are stacked by one dispatch each
+# (`stage_first_shards_read`); the stack compiles once per size and structure.
 _STACK_SIZES = (64, 16)
 
 
@@ -125,7 +125,16 @@ def _stack_columns(columns):
 
 
 def first_shards_to_host(trees: list[Any]) -> list[Any]:
-  """`jax.device_get(first_shards(trees))` for many trees of one structure, in few transfers.
+  """`jax.device_get(first_shards(trees))`: one transfer per array, no dispatch.
+
+  Safe on any thread: it runs no device computation, so it never takes one
+  of XLA's in-flight slots (see `experiment.steps_in_flight_limit`).
+  """
+  return jax.device_get(first_shards(trees))
+
+
+def stage_first_shards_read(trees: list[Any]) -> Callable[[], list[Any]]:
+  """Starts `first_shards_to_host(trees)` for many trees of one structure.
 
   Meant for a batch of steps' scalars: reading each step's arrays apart
   costs ~25 us an array (taking the first shard of a new array, then a
@@ -133,14 +142,18 @@ def first_shards_to_host(trees: list[Any]) -> list[Any]:
   dtype and sharding) are stacked on their devices instead, by one
   dispatch per `_STACK_SIZES` chunk with no data crossing devices, and only
   each stack's first shard is copied. A lone tree is read as it is.
+
+  The stacking is dispatched here, on the calling thread: call this on the
+  thread that dispatches the training steps. The returned function does the
+  rest (transfers only) and may run on any thread.
   """
   if not trees:
-    return []
+    return list
   flat = [jax.tree.flatten(tree) for tree in trees]
   first_leaves, treedef = flat[0]
   stackable = [i for i, leaf in enumerate(first_leaves) if _first_shard_holds_one_copy(leaf)]
   if not stackable or any(other_treedef != treedef for _, other_treedef in flat):
-    return jax.device_get(first_shards(trees))
+    return functools.partial(first_shards_to_host, trees)
 
   others_on_device = any(isinstance(leaf, jax.Array) for i, leaf in enumerate(first_leaves)
                          if i not in stackable)
@@ -149,19 +162,29 @@ def first_shards_to_host(trees: list[Any]) -> list[Any]:
     return [(leaves[i].shape, leaves[i].dtype, leaves[i].sharding) if isinstance(
         leaves[i], jax.Array) else None for i in stackable]
 
-  host_trees, start = [], 0
+  chunks = []  # (trees read apart) or (leaves of each tree, their stacks).
+  start = 0
   while start < len(trees):
     remaining = len(trees) - start
     size = next((size for size in _STACK_SIZES if size <= remaining), remaining)
     chunk = [leaves for leaves, _ in flat[start:start + size]]
     first_signature = signature(chunk[0])
     if size == 1 or any(signature(leaves) != first_signature for leaves in chunk[1:]):
-      host_trees += jax.device_get(first_shards(trees[start:start + size]))
+      chunks.append((trees[start:start + size], None))
     else:
       # A short last chunk is padded with copies of its last step, so every
       # stack has one of the `_STACK_SIZES` (no compilation per batch length).
       padded = chunk + [chunk[-1]] * (_STACK_SIZES[-1] - size)
-      stacks = _stack_columns([[leaves[i] for leaves in padded] for i in stackable])
+      chunks.append((chunk, _stack_columns([[leaves[i] for leaves in padded]
+                                            for i in stackable])))
+    start += size
+
+  def read() -> list[Any]:
+    host_trees = []
+    for chunk, stacks in chunks:
+      if stacks is None:
+        host_trees += first_shards_to_host(chunk)
+        continue
       host_stacks = jax.device_get([stack.addressable_data(0) for stack in stacks])
       for row, leaves in enumerate(chunk):
         host_leaves = list(leaves)
@@ -169,8 +192,9 @@ def first_shards_to_host(trees: list[Any]) -> list[Any]:
           host_leaves[i] = host_stack[row]
         host_tree = jax.tree.unflatten(treedef, host_leaves)
         host_trees.append(jax.device_get(host_tree) if others_on_device else host_tree)
-    start += size
-  return host_trees
+    return host_trees
+
+  return read
 
 
 def get_first(tree: Any) -> Any:

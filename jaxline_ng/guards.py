@@ -185,8 +185,9 @@ class SealedCheck:
 def run_in_order(checks: Sequence[Optional[Callable[[], None]]]) -> list[bool]:
   """Runs `checks` (None passes) in order; whether each passed (did not raise).
 
-  The scalars every `SealedCheck` reads are copied to the host together
-  (`devices.first_shards_to_host`), not one transfer per check. A failing
+  The scalars every `SealedCheck` reads are copied to the host by one
+  `devices.first_shards_to_host` call, without a dispatch: this runs on a
+  save worker, not the thread that dispatches steps. A failing
   check reports itself (see `NonFiniteGuard`); under "halt" every check
   after it fails too.
   """

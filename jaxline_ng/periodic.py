@@ -85,7 +85,7 @@ class PeriodicAction:
       saves at the end anyway, does not).
     first_device_only: with `run_async`, copy to the host only the first
       local device's copy of per-device and replicated arrays
-      (`devices.first_shards_to_host`): all that logging reads.
+      (`devices.stage_first_shards_read`): all that logging reads.
   """
 
   def __init__(self,
@@ -154,7 +154,7 @@ class PeriodicAction:
     self._prev_time, self._prev_step, self._last_acted_step = t, step, step
     items = [(t, batch_step, batch_scalars) for batch_step, batch_scalars in batch]
     if self._executor is None:
-      self._run_items(items, to_host=False)
+      self._run_items(items)
       return
     self._queued.extend(items)
     self._submit_if_idle(t)
@@ -173,13 +173,17 @@ class PeriodicAction:
     if self._queued:
       items, self._queued = self._queued, []
       self._last_submit_time = -math.inf if t is None else t
-      self._in_progress = self._executor.submit(self._run_items, items, to_host=True)
+      scalars = [item[2] for item in items]
+      # Any device work of the read is dispatched here, on the loop's thread;
+      # the background thread only transfers (see `experiment.steps_in_flight_limit`).
+      read = (devices.stage_first_shards_read(scalars) if self._first_device_only
+              else functools.partial(jax.device_get, scalars))
+      self._in_progress = self._executor.submit(self._run_items, items, read)
 
-  def _run_items(self, items: list[tuple[float, int, Any]], to_host: bool) -> None:
-    scalars = [item[2] for item in items]
-    if to_host:  # On the background thread: one transfer for the whole batch.
-      scalars = (devices.first_shards_to_host(scalars) if self._first_device_only
-                 else jax.device_get(scalars))
+  def _run_items(self, items: list[tuple[float, int, Any]],
+                 read: Optional[Callable[[], list[Any]]] = None) -> None:
+    """Calls `fn` for each item, with the scalars `read()` returns if given."""
+    scalars = read() if read is not None else [item[2] for item in items]
     for (t, step, _), host_scalars in zip(items, scalars):
       self._fn(t, step, host_scalars)
 

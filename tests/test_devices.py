@@ -106,7 +106,7 @@ def test_packed_first_packs_across_axis_names_but_not_device_orders():
   np.testing.assert_array_equal(first["r"], [0.0])
 
 
-def test_first_shards_to_host_matches_reading_each_step_apart():
+def test_staged_read_matches_reading_each_step_apart():
   """Stacked chunks (64 and 16 steps), leftovers, host leaves and a changed
   structure all give what `device_get(first_shards(...))` gives."""
   per_step = jax.pmap(lambda x: {"loss": jax.lax.pmean(x, "i"), "per_device": x},
@@ -117,7 +117,7 @@ def test_first_shards_to_host_matches_reading_each_step_apart():
   mixed = trees[:3] + [{"loss": trees[0]["loss"]}]  # Another structure: read apart.
   for batch in (trees, mixed):
     expected = jax.device_get(devices.first_shards(batch))
-    got = devices.first_shards_to_host(batch)
+    got = devices.stage_first_shards_read(batch)()
     assert len(got) == len(expected)
     for got_tree, expected_tree in zip(got, expected):
       assert got_tree.keys() == expected_tree.keys()

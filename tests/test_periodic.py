@@ -3,9 +3,11 @@
 import threading
 import time
 
+import jax
+import numpy as np
 import pytest
 
-from jaxline_ng import periodic
+from jaxline_ng import devices, periodic
 
 
 class Calls:
@@ -117,9 +119,9 @@ def test_async_steps_due_within_a_batch_interval_run_together():
   action = periodic.PeriodicAction(lambda t, step, scalars: None, "steps", 1)
   original = action._run_items  # pylint: disable=protected-access
 
-  def record(items, to_host):
+  def record(items, read):
     batches.append([step for _, step, _ in items])
-    original(items, to_host)
+    original(items, read)
 
   action._run_items = record  # pylint: disable=protected-access
   for step in range(1, 51):
@@ -129,3 +131,27 @@ def test_async_steps_due_within_a_batch_interval_run_together():
   assert batches[0] == [1]
   assert batches[1] == list(range(2, 52))
   assert [step for batch in batches for step in batch] == list(range(1, 52))
+
+
+def test_batched_reads_dispatch_on_the_loops_thread_only(monkeypatch):
+  """The logging thread only transfers: a dispatch there could take the XLA
+  CPU pool threads an unbounded training loop's collective needs."""
+  stacking_threads = []
+  real_stack = devices._stack_columns  # pylint: disable=protected-access
+
+  def stack(columns):
+    stacking_threads.append(threading.current_thread())
+    return real_stack(columns)
+
+  monkeypatch.setattr(devices, "_stack_columns", stack)
+  monkeypatch.setattr(periodic, "_BATCH_SECONDS", 60.0)
+  logged = []
+  action = periodic.PeriodicAction(lambda t, step, scalars: logged.append((step, scalars)),
+                                   "steps", 1, first_device_only=True)
+  per_device = devices.put_per_device(np.arange(jax.local_device_count(), dtype=np.float32))
+  for step in range(1, 21):  # Step 1 goes alone; 2..20 (16 + 3) wait for the batch interval.
+    action(float(step), step, {"loss": per_device + step})
+  action.wait_to_finish()
+  assert stacking_threads == [threading.current_thread()] * 2
+  assert [(step, float(scalars["loss"][0])) for step, scalars in logged] == [
+      (step, float(step)) for step in range(1, 21)]
