@@ -60,8 +60,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.best_model_eval_metric_higher_is_better = True
 
   # Steps dispatched ahead of the devices at most; None: 8 on CPU with several
-  # devices and a small XLA thread pool (avoids an XLA CPU collective
-  # deadlock; see `experiment.steps_in_flight_limit`), unlimited elsewhere.
+  # devices and an XLA thread pool too small for the threads dispatching to
+  # them (avoids an XLA CPU collective deadlock; see
+  # `experiment.steps_in_flight_limit`), unlimited elsewhere.
   config.max_steps_in_flight = config_dict.placeholder(int)
 
   # Run safety and insight.

@@ -15,10 +15,12 @@ pmap-replicated: one copy is checkpointed and it is restored replicated.
 
 import abc
 import collections
+import contextlib
 import functools
 import inspect
 import math
 import os
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -150,10 +152,33 @@ class AbstractExperiment(abc.ABC):
 # XLA's CPU client runs a multi-device dispatch as one task per device on its
 # thread pool, and each task waits there while its device has 32 executions
 # in flight. So every thread that dispatches can hold one pool thread per
-# device, and the collective in progress needs one per device too. With this
-# many pool threads per device, seven threads (training, logging, saving,
-# evaluation, the user's) can dispatch at once and the collective still runs.
-_SAFE_POOL_THREADS_PER_DEVICE = 8
+# device, and the collective in progress needs one per device more: with D
+# threads dispatching device computations, a pool of (D + 1) threads per
+# device cannot deadlock. The training thread is one; another thread of the
+# process that dispatches while it runs registers with
+# `dispatching_beside_training`. jaxline_ng's own helper threads (logging,
+# writing, saving) only transfer, never dispatch.
+_other_dispatching_threads = 0
+_dispatchers_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def dispatching_beside_training():
+  """Declares, for its duration, one more thread dispatching device computations
+  while a training loop runs in this process (enter it before the loop starts).
+
+  `train_eval_multithreaded` declares its evaluator; declare a thread of
+  your own that computes on the devices (an input pipeline running jitted
+  code, say), so the automatic `max_steps_in_flight` leaves it room.
+  """
+  global _other_dispatching_threads
+  with _dispatchers_lock:
+    _other_dispatching_threads += 1
+  try:
+    yield
+  finally:
+    with _dispatchers_lock:
+      _other_dispatching_threads -= 1
 
 
 def cpu_pool_threads() -> int:
@@ -179,11 +204,13 @@ def steps_in_flight_limit(config) -> int:
   """How many steps may be dispatched but unfinished; 0 for no limit.
 
   `config.max_steps_in_flight` (None: automatic). Automatic is 8 on a CPU
-  backend with several local devices whose thread pool has fewer than 8
-  threads per device (`cpu_pool_threads`), and unlimited elsewhere. With
-  such a pool, a host ~32 steps ahead has its later dispatches hold the pool
-  threads a device needs for the current step's collective, which deadlocks
-  (XLA aborts after 40 s): on a 2-core machine the pool has one thread per
+  backend with several local devices whose thread pool (`cpu_pool_threads`)
+  has fewer than D + 1 threads per device, D being the threads dispatching
+  device computations (the training thread and those declared with
+  `dispatching_beside_training`), and unlimited elsewhere. With such a pool,
+  a host ~32 steps ahead has its later dispatches hold the pool threads a
+  device needs for the current step's collective, which deadlocks (XLA
+  aborts after 40 s): on a 2-core machine the pool has one thread per
   device. Measurements in tests/README.md.
   """
   limit = getattr(config, "max_steps_in_flight", None)
@@ -192,7 +219,9 @@ def steps_in_flight_limit(config) -> int:
   local_devices = jax.local_device_count()
   if jax.default_backend() != "cpu" or local_devices == 1:
     return 0
-  if cpu_pool_threads() >= _SAFE_POOL_THREADS_PER_DEVICE * local_devices:
+  with _dispatchers_lock:
+    dispatching_threads = 1 + _other_dispatching_threads
+  if cpu_pool_threads() >= (dispatching_threads + 1) * local_devices:
     return 0
   return 8
 

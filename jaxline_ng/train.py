@@ -412,13 +412,16 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
       training_errors.append(e)
 
   trainer = threading.Thread(target=run_training, name="jaxline_ng_train", daemon=True)
-  trainer.start()
-  # If evaluation raises, its error propagates and the daemon trainer ends
-  # with the process.
-  evaluate(experiment_class, config, checkpointer, eval_writer,
-           jaxline_mode="train_eval_multithreaded",
-           poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
-           stop_waiting=lambda: not trainer.is_alive())
-  trainer.join()
+  # The evaluator dispatches while training runs, which the bound on steps in
+  # flight must know before the loop starts.
+  with experiment_lib.dispatching_beside_training():
+    trainer.start()
+    # If evaluation raises, its error propagates and the daemon trainer ends
+    # with the process.
+    evaluate(experiment_class, config, checkpointer, eval_writer,
+             jaxline_mode="train_eval_multithreaded",
+             poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
+             stop_waiting=lambda: not trainer.is_alive())
+    trainer.join()
   if training_errors:
     raise training_errors[0]

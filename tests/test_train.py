@@ -1,5 +1,6 @@
 """The training loop: what `step` sees, what is checkpointed, what is logged."""
 
+import contextlib
 import threading
 
 import jax
@@ -340,29 +341,52 @@ def test_evaluator_evaluates_each_step_once_when_saves_race_its_polls():
   assert [step for step, _ in writer.scalars] == [2, 3]
 
 
-def test_steps_in_flight_are_bounded_on_cpu_with_several_devices():
+def test_steps_in_flight_are_bounded_when_another_thread_dispatches():
   config = make_config()
-  # 4 fake CPU devices, and conftest's PJRT_NPROC=8: 2 pool threads per device.
-  assert experiment.steps_in_flight_limit(config) == 8
-  config.max_steps_in_flight = 0
+  # 4 fake CPU devices, and conftest's PJRT_NPROC=8: 2 pool threads per device,
+  # room for the training thread's dispatches and the collective, no more.
   assert experiment.steps_in_flight_limit(config) == 0
+  with experiment.dispatching_beside_training():
+    assert experiment.steps_in_flight_limit(config) == 8
+    config.max_steps_in_flight = 0
+    assert experiment.steps_in_flight_limit(config) == 0
+  config.max_steps_in_flight = 3
+  assert experiment.steps_in_flight_limit(config) == 3
 
 
-@pytest.mark.parametrize("env, cpus, limit", [
-    ({"PJRT_NPROC": "32"}, 2, 0),              # 8 pool threads per device: safe unbounded
-    ({"PJRT_NPROC": "31"}, 64, 8),             # PJRT_NPROC wins over the CPUs
-    ({"NPROC": "32"}, 2, 0),
-    ({"PJRT_NPROC": "many", "NPROC": "16"}, 64, 8),  # not an integer: skipped, as XLA does
-    ({}, 2, 8),                                # a 2-core machine: one thread per device
-    ({}, 32, 0),
+@pytest.mark.parametrize("env, cpus, other_dispatchers, limit", [
+    ({"PJRT_NPROC": "8"}, 2, 0, 0),               # 2 pool threads per device: training alone
+    ({"PJRT_NPROC": "8"}, 2, 1, 8),               # ... but not with an evaluator
+    ({"PJRT_NPROC": "12"}, 2, 1, 0),
+    ({"PJRT_NPROC": "7"}, 64, 0, 8),              # PJRT_NPROC wins over the CPUs
+    ({"NPROC": "8"}, 2, 0, 0),
+    ({"PJRT_NPROC": "many", "NPROC": "4"}, 64, 0, 8),  # not an integer: skipped, as XLA does
+    ({}, 2, 0, 8),                                # a 2-core machine: one thread per device
+    ({}, 8, 0, 0),
 ])
-def test_steps_in_flight_bound_depends_on_the_cpu_pool(monkeypatch, env, cpus, limit):
+def test_steps_in_flight_bound_depends_on_the_cpu_pool(monkeypatch, env, cpus,
+                                                       other_dispatchers, limit):
   for name in ("PJRT_NPROC", "NPROC"):
     monkeypatch.delenv(name, raising=False)
   for name, value in env.items():
     monkeypatch.setenv(name, value)
   monkeypatch.setattr(experiment.os, "sched_getaffinity", lambda pid: set(range(cpus)))
-  assert experiment.steps_in_flight_limit(make_config()) == limit
+  with contextlib.ExitStack() as stack:
+    for _ in range(other_dispatchers):
+      stack.enter_context(experiment.dispatching_beside_training())
+    assert experiment.steps_in_flight_limit(make_config()) == limit
+
+
+def test_train_eval_multithreaded_bounds_training_for_its_evaluator(monkeypatch):
+  limits = []
+  real_limit = experiment.steps_in_flight_limit
+  monkeypatch.setattr(experiment, "steps_in_flight_limit",
+                      lambda config: limits.append(real_limit(config)) or limits[-1])
+  config = make_config(training_steps=2)
+  train.train(Counting, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  train.train_eval_multithreaded(Counting, config,
+                                 checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert limits == [0, 8]
 
 
 class Waited:
