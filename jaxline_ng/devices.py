@@ -148,7 +148,7 @@ def stage_first_shards_read(trees: list[Any]) -> Callable[[], list[Any]]:
   rest (transfers only) and may run on any thread.
   """
   if not trees:
-    return list
+    return lambda: []
   flat = [jax.tree.flatten(tree) for tree in trees]
   first_leaves, treedef = flat[0]
   stackable = [i for i, leaf in enumerate(first_leaves) if _first_shard_holds_one_copy(leaf)]
@@ -162,7 +162,8 @@ def stage_first_shards_read(trees: list[Any]) -> Callable[[], list[Any]]:
     return [(leaves[i].shape, leaves[i].dtype, leaves[i].sharding) if isinstance(
         leaves[i], jax.Array) else None for i in stackable]
 
-  chunks = []  # (trees read apart) or (leaves of each tree, their stacks).
+  # Per chunk: (its trees, None) to read them apart, or (each tree's leaves, the stacks).
+  chunks = []
   start = 0
   while start < len(trees):
     remaining = len(trees) - start

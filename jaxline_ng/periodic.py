@@ -8,9 +8,11 @@ thread unless `run_async=False`, so a slow action does not stall the loop.
 
 The background thread takes due steps in batches: steps that fall due
 queue on the loop's side (a list append) while it is busy and for at least
-`_BATCH_SECONDS` after the previous batch, then go together, their scalars
-copied to the host in one transfer. Acting every step therefore costs the
-loop next to nothing, and wakes the thread a few times a second.
+`_BATCH_SECONDS` after the previous batch, then go together: the loop's
+thread stacks their scalars on the devices (one dispatch; the background
+thread never dispatches) and the background thread copies the stacks to
+the host. Acting every step therefore costs the loop next to nothing, and
+wakes the thread a few times a second.
 """
 
 import collections
