@@ -124,13 +124,13 @@ def _stack_columns(columns):
   return [jnp.stack(column) for column in columns]
 
 
-def first_shards_to_host(trees: list[Any]) -> list[Any]:
-  """`jax.device_get(first_shards(trees))`: one transfer per array, no dispatch.
+def first_shards_to_host(tree: Any) -> Any:
+  """`jax.device_get(first_shards(tree))`: one transfer per array, no dispatch.
 
   Safe on any thread: it runs no device computation, so it never takes one
   of XLA's in-flight slots (see `experiment.steps_in_flight_limit`).
   """
-  return jax.device_get(first_shards(trees))
+  return jax.device_get(first_shards(tree))
 
 
 def stage_first_shards_read(trees: list[Any]) -> Callable[[], list[Any]]:

@@ -212,4 +212,4 @@ def run_in_order(checks: Sequence[Optional[Callable[[], None]]]) -> list[bool]:
 def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:
   """Host values of one step's scalars: the first device's copy, or every device's."""
   scalars = dict(scalars)
-  return jax.device_get(scalars if every_device else devices.first_shards(scalars))
+  return jax.device_get(scalars) if every_device else devices.first_shards_to_host(scalars)

@@ -45,7 +45,7 @@ def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   """
   values = dict(scalars)
   if any(isinstance(value, jax.Array) for value in values.values()):
-    values = jax.device_get(devices.first_shards(values))
+    values = devices.first_shards_to_host(values)
   result = {}
   for name, value in values.items():
     array = np.asarray(value)
