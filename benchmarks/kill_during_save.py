@@ -33,7 +33,6 @@ def newest_loadable_step(checkpoint_dir: str) -> int:
   config.checkpoint_dir = checkpoint_dir
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
   state = checkpointer.get_experiment_state("latest")
-  state.config = config
   state.experiment_module = toy.Experiment("train", None, **config.experiment_kwargs)
   checkpointer.restore("latest")
   return state.global_step

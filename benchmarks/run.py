@@ -18,14 +18,8 @@ Prints a table and writes it as JSON (`--out`).
 - loop: steps/s of the same pmapped MLP update driven by a hand-written loop
   (replicated state, per-step key split inside the update, one pmap call per
   step, scalars fetched every 100 steps) and by `jaxline_ng.train` (progress
-  logged every 100 steps). Ratio = framework / hand. Every worker runs with
-  `PJRT_NPROC=8`, 2 XLA CPU pool threads per device: room for one thread
-  dispatching ahead, so both loops run unbounded (tests/README.md).
-- loop_bounded: the same with the framework keeping at most 8 steps in
-  flight (`max_steps_in_flight=8`), as it does where XLA's pool is too small
-  for the threads dispatching (one thread per device, the default on 2
-  cores; or `train_eval_multithreaded`'s evaluator beside training): what
-  that deadlock guard costs where it applies.
+  logged every 100 steps). Ratio = framework / hand. Both import jaxline_ng,
+  so both run with the XLA CPU thread pool it sizes (`jaxline_ng/xla_cpu.py`).
 - loop_mesh: the same in mesh mode: a hand-written `jax.jit` loop over global
   arrays (batch sharded over `data`) vs `jaxline_ng.train` with
   `placement="mesh"`.
@@ -74,6 +68,7 @@ def _timed_steps(warmup: int, steps: int):
       jax.block_until_ready(scalars)
       marks[step] = time.perf_counter()
 
+  action.update_time = lambda t, step: None
   action.finish = action.wait_to_finish = lambda: None
   return action, lambda: steps / (marks[warmup + steps] - marks[warmup])
 
@@ -114,12 +109,13 @@ def _hand_loop(update, params, opt_state, batch, key, warmup: int, steps: int,
 def worker_hand(warmup: int, steps: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
-  from jaxline_ng import rng, utils  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import devices, utils  # pylint: disable=import-outside-toplevel
   update = jax.pmap(_update_and_split, axis_name="i", donate_argnums=(0, 1))
   params, opt_state = workloads.initial_state()
   return _hand_loop(update, utils.bcast_local_devices(params),
                     utils.bcast_local_devices(opt_state), workloads.device_batch(),
-                    rng.per_device_keys(jax.random.PRNGKey(0), "unique_host_unique_device"),
+                    devices.put_per_device(jax.random.split(jax.random.PRNGKey(0),
+                                                            jax.local_device_count())),
                     warmup, steps, lambda loss: float(loss.addressable_shards[0].data[0]))
 
 
@@ -170,8 +166,8 @@ def worker_overhead(steps: int) -> dict:
   """The framework's own time per step: the loop around a step that does no work.
 
   The step returns a ready device scalar, so what is timed is the loop's
-  bookkeeping (step inputs, periodic actions, the non-finite guard, the
-  bound on steps in flight), not the device.
+  bookkeeping (step inputs, periodic actions, the non-finite guard), not
+  the device.
   """
   import jax  # pylint: disable=import-outside-toplevel
   from jaxline_ng import base_config, checkpointing, experiment, train  # pylint: disable=import-outside-toplevel
@@ -210,9 +206,8 @@ def worker_save_stall(saves: int) -> dict:
     checkpointer = (disk_checkpointing.DiskCheckpointer(config, "train") if kind == "disk"
                     else checkpointing.InMemoryCheckpointer(config, "train"))
     state = checkpointer.get_experiment_state("latest")
-    state.config = config
     state.experiment_module = workloads.MLPExperiment("train", None)
-    state.train_step_rng = rng.per_device_keys(jax.random.PRNGKey(0), "same_host_same_device")
+    state.train_step_rng = rng.replicate_key(jax.random.PRNGKey(0))
     stalls, copies = [], []
     for index in range(saves):
       state.global_step = index + 1
@@ -280,18 +275,16 @@ def _run_in_process(name: str, kwargs: dict) -> dict:
 
 
 def _run_worker(name: str, **kwargs) -> dict:
-  """Runs worker `name` in a fresh process whose XLA CPU pool has 2 threads per device.
+  """Runs worker `name` in a fresh process (in-process for smoke runs).
 
-  The pool is set with PJRT_NPROC: at its default of one thread per device
-  on a 2-core machine the hand-written loop, which runs up to 100 steps
-  ahead, deadlocks in XLA's CPU collectives (tests/README.md). In-process
-  (smoke) runs keep the pool of the calling process.
+  `PJRT_NPROC` is not passed on: every worker imports jaxline_ng, which
+  sizes XLA's CPU pool as a user's run gets it.
   """
   if _IN_PROCESS:
     return _run_in_process(name, kwargs)
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, PJRT_NPROC=str(2 * DEVICES),
-             JAXLINE_NG_BENCH_T0=repr(time.time()))
+  env = {name: value for name, value in os.environ.items() if name != "PJRT_NPROC"}
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAXLINE_NG_BENCH_T0=repr(time.time()))
   result = subprocess.run(
       [sys.executable, "-m", "benchmarks.run", "--worker", name, "--kwargs", json.dumps(kwargs)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -382,7 +375,7 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
   parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results.json"))
   parser.add_argument("--only", default="",
-                      help="comma-separated subset of: loop,loop_bounded,loop_mesh,noise,overhead,"
+                      help="comma-separated subset of: loop,loop_mesh,noise,overhead,"
                            "logging,checkpoint,save_stall,startup (prints JSON, not the table)")
   parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
   parser.add_argument("--kwargs", default="{}", help=argparse.SUPPRESS)
@@ -401,9 +394,6 @@ def main(argv=None) -> int:
   measurements = {
       "loop": lambda: _paired(processes, rounds, ("hand", {"warmup": warmup, "steps": steps}),
                               ("framework", framework)),
-      "loop_bounded": lambda: _paired(
-          processes, rounds, ("hand", {"warmup": warmup, "steps": steps}),
-          ("framework", {**framework, "overrides": {"max_steps_in_flight": 8}})),
       "loop_mesh": lambda: _paired(
           processes, rounds, ("hand_jit", {"warmup": warmup, "steps": steps}),
           ("framework", {**framework, "placement": "mesh"})),
@@ -435,8 +425,6 @@ def main(argv=None) -> int:
   stall, startup = results["save_stall"], results["startup"]
   rows = [
       ("loop: framework / hand-written steps/s", *_ratio_cells(loop), ">= 0.97"),
-      ("loop, at most 8 steps in flight (small pools)", *_ratio_cells(results["loop_bounded"]),
-       ""),
       ("loop, mesh mode: framework / hand-written jit", *_ratio_cells(loop_mesh), ">= 0.97"),
       ("noise: hand-written loop / itself (A/A)", *_ratio_cells(noise), "1 (control)"),
       ("framework's own time per step", f"{overhead['us_per_step']:.0f} us", "",

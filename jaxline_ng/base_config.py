@@ -59,12 +59,6 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.best_model_eval_metric = ""
   config.best_model_eval_metric_higher_is_better = True
 
-  # Steps dispatched ahead of the devices at most; None: 8 on CPU with several
-  # devices and an XLA thread pool too small for the threads dispatching to
-  # them (avoids an XLA CPU collective deadlock; see
-  # `experiment.steps_in_flight_limit`), unlimited elsewhere.
-  config.max_steps_in_flight = config_dict.placeholder(int)
-
   # Run safety and insight.
   # What a NaN/Inf training scalar does: "halt", "warn" or "off".
   config.non_finite_policy = "halt"
@@ -127,6 +121,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.placement == "mesh":
     try:
       mesh.mesh_axes(config.mesh_shape)
+      for key in ("random_mode_train", "random_mode_eval"):
+        rng.check_mesh_random_mode(config[key], key)
     except ValueError as e:
       raise ConfigError(str(e)) from None
 
@@ -141,10 +137,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"config.non_finite_policy={config.non_finite_policy!r} is not a policy; expected "
         f"one of {', '.join(guards.POLICIES)}")
 
-  in_flight = config.max_steps_in_flight
-  if in_flight is not None and in_flight < 0:
-    raise ConfigError(f"config.max_steps_in_flight={in_flight!r} must be >= 0 (0: no limit) "
-                      "or None (automatic)")
+  growth = config.periodic_action_growth_ratios
+  logging_type = config.logging_interval_type or config.interval_type
+  if growth and logging_type != "steps":
+    raise ConfigError(
+        f"config.periodic_action_growth_ratios={tuple(growth)!r} applies to step intervals, "
+        f"but logging is every {logging_type!r}: set config.logging_interval_type='steps'")
 
   budget = config.wall_clock_budget_secs
   if budget is not None and not budget > 0:

@@ -34,7 +34,6 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from jaxline_ng import checkpointing
-from jaxline_ng import devices
 from jaxline_ng import multihost
 
 _PLAIN_VALUES = (bool, int, float, str)
@@ -120,7 +119,7 @@ def check_storable(nest: dict[str, Any]) -> None:
   """
   for name, value in _named_entries(nest).items():
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-      if not isinstance(leaf, (jax.Array, devices.DeferredHostValue, np.ndarray, np.generic,
+      if not isinstance(leaf, (jax.Array, np.ndarray, np.generic,
                                *_PLAIN_VALUES)):
         raise _unstorable(name, path, leaf)
 
@@ -312,8 +311,8 @@ class DiskCheckpointer:
     for path in self._candidates(ckpt_series):
       try:
         restored = self._reader.restore(os.path.abspath(path), args=_restore_args())
-        live = state.snapshotted_items()
-        if state.experiment_module is not None:
+        live = checkpointing.snapshotted_items(state)
+        if getattr(state, "experiment_module", None) is not None:
           live["experiment_module"] = state.experiment_module.snapshot_state()
         nest = decode(restored["arrays"], restored["meta"], live)
       except Exception as e:  # pylint: disable=broad-except  (any damage: try the previous one)

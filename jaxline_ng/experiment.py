@@ -14,13 +14,9 @@ pmap-replicated: one copy is checkpointed and it is restored replicated.
 """
 
 import abc
-import collections
-import contextlib
 import functools
 import inspect
 import math
-import os
-import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -64,35 +60,34 @@ class AbstractExperiment(abc.ABC):
     """
     return global_step < config.training_steps
 
-  def initialize_train_step_rng(self, random_seed: int, state) -> jax.Array:
-    """The per-device chain key the training loop starts from.
+  def initialize_train_step_rng(self, rng: jax.Array) -> jax.Array:
+    """Places the training chain's first key as `train_loop` takes it.
 
-    Specialised per host/device by `config.random_mode_train`; differs from the
-    `init_rng` key unless `config.legacy_random_seed_behavior`.
+    `rng` is one raw key derived from `config.random_seed`. The default puts a
+    copy on every local device (`[devices, 2]`, pmap mode) or replicates it
+    over the mesh (mesh mode); each step splits the chain into its own key,
+    specialised by `config.random_mode_train`, and the next chain key.
     """
-    return rng_lib.seeded_run_keys(
-        random_seed, state.config.random_mode_train,
-        train_stream=not state.config.legacy_random_seed_behavior)
+    return rng_lib.replicate_key(rng)
 
   def train_loop(self, config, state, periodic_actions, writer=None) -> None:
     """Runs training steps until `should_run_step` says stop.
 
     `state` is the checkpointed training state: `state.global_step` (host int,
-    steps completed) and `state.train_step_rng` (per-device chain key) are
-    advanced here, so a checkpoint taken by a periodic action always matches
-    the step it was taken at.
+    steps completed) and `state.train_step_rng` (the chain key) are advanced
+    here, so a checkpoint taken by a periodic action always matches the step
+    it was taken at. Each action is called as `action(time, global_step,
+    scalars)` after every step.
     """
-    step_inputs = rng_lib.StepInputs(state.global_step, state.train_step_rng)
     step = keyword_filtered(self.step)
-    in_flight = StepsInFlight(steps_in_flight_limit(config))
     with log_activity("training loop"):
       while self.should_run_step(state.global_step, config):
-        global_step_devices, step_rng, next_chain = step_inputs.next()
+        step_rng, state.train_step_rng = rng_lib.split_chain(
+            state.train_step_rng, config.random_mode_train)
         with jax.profiler.StepTraceAnnotation("train", step_num=state.global_step):
-          scalars = step(global_step=global_step_devices, rng=step_rng, writer=writer)
-        in_flight.dispatched(scalars)
+          scalars = step(global_step=rng_lib.step_counter(state.global_step), rng=step_rng,
+                         writer=writer)
         state.global_step += 1
-        state.train_step_rng = next_chain
         now = time.time()
         for action in periodic_actions:
           action(now, state.global_step, scalars)
@@ -100,28 +95,20 @@ class AbstractExperiment(abc.ABC):
   def snapshot_state(self) -> Mapping[str, Any]:
     """One copy of every checkpointed attribute, keyed by checkpoint name.
 
-    In pmap mode CHECKPOINT_ATTRS are read from the first device; in mesh
-    mode they are global arrays and taken whole. Either way the device
-    arrays returned, NON_BROADCAST_CHECKPOINT_ATTRS' included, are fresh
-    buffers (slices or copies), so the caller may keep them while training
-    donates the live ones; an override should return fresh arrays too, or
-    the checkpointer copies what it returns.
+    In pmap mode CHECKPOINT_ATTRS are read from the first device
+    (`get_first`); in mesh mode they are global arrays and taken whole.
+    Both are fresh buffers (`get_first` reads into new ones and
+    NON_BROADCAST_CHECKPOINT_ATTRS' device arrays are copied), so the caller
+    may keep them while training donates the live ones.
     """
-    return self._snapshot(one_copy=devices.get_first)
-
-  def _snapshot(self, one_copy) -> dict[str, Any]:
-    """`snapshot_state`, taking pmap-mode CHECKPOINT_ATTRS with `one_copy`
-    (of the dict `{checkpoint name: value}`, in one call)."""
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     if not attrs and not non_broadcast_attrs:
       logging.warning(
           "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
           "checkpoints will hold no experiment state.", type(self).__name__)
-    if mesh_lib.active_mesh() is not None:
-      one_copy = devices.fresh_copies
+    one_copy = devices.get_first if mesh_lib.active_mesh() is None else devices.fresh_copies
     snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()}))
     for attr, name in non_broadcast_attrs.items():
-      # Host values pass through; device arrays are copied (no dispatch without any).
       snapshot[name] = devices.fresh_copies(getattr(self, attr))
     return snapshot
 
@@ -147,109 +134,6 @@ class AbstractExperiment(abc.ABC):
 
     `best_state.global_step` and `best_state.best_eval_metric_value` describe it.
     """
-
-
-# XLA's CPU client runs a multi-device dispatch as one task per device on its
-# thread pool, and each task waits there while its device has 32 executions
-# in flight. So every thread that dispatches can hold one pool thread per
-# device, and the collective in progress needs one per device more: with D
-# threads dispatching device computations, a pool of (D + 1) threads per
-# device cannot deadlock. The training thread is one; another thread of the
-# process that dispatches while it runs registers with
-# `dispatching_beside_training`. jaxline_ng's own helper threads (logging,
-# writing, saving) only transfer, never dispatch.
-_other_dispatching_threads = 0
-_dispatchers_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def dispatching_beside_training():
-  """Declares, for its duration, one more thread dispatching device computations
-  while a training loop runs in this process (enter it before the loop starts).
-
-  `train_eval_multithreaded` declares its evaluator; declare a thread of
-  your own that computes on the devices (an input pipeline running jitted
-  code, say), so the automatic `max_steps_in_flight` leaves it room.
-  """
-  global _other_dispatching_threads
-  with _dispatchers_lock:
-    _other_dispatching_threads += 1
-  try:
-    yield
-  finally:
-    with _dispatchers_lock:
-      _other_dispatching_threads -= 1
-
-
-def cpu_pool_threads() -> int:
-  """The size of XLA's CPU client thread pool, as XLA works it out.
-
-  The larger of the local device count and `PJRT_NPROC`, else `NPROC`, else
-  the CPUs this process may run on (XLA reads the variables when the
-  backend starts; a value that is not an integer is skipped, as XLA does).
-  """
-  threads = None
-  for name in ("PJRT_NPROC", "NPROC"):
-    try:
-      threads = max(0, int(os.environ[name]))
-      break
-    except (KeyError, ValueError):
-      continue
-  if threads is None:
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return max(threads or 0, jax.local_device_count())
-
-
-def steps_in_flight_limit(config) -> int:
-  """How many steps may be dispatched but unfinished; 0 for no limit.
-
-  `config.max_steps_in_flight` (None: automatic). Automatic is 8 on a CPU
-  backend with several local devices whose thread pool (`cpu_pool_threads`)
-  has fewer than D + 1 threads per device, D being the threads dispatching
-  device computations (the training thread and those declared with
-  `dispatching_beside_training`), and unlimited elsewhere. With such a pool,
-  a host ~32 steps ahead has its later dispatches hold the pool threads a
-  device needs for the current step's collective, which deadlocks (XLA
-  aborts after 40 s): on a 2-core machine the pool has one thread per
-  device. Measurements in tests/README.md.
-  """
-  limit = getattr(config, "max_steps_in_flight", None)
-  if limit is not None:
-    return limit
-  local_devices = jax.local_device_count()
-  if jax.default_backend() != "cpu" or local_devices == 1:
-    return 0
-  with _dispatchers_lock:
-    dispatching_threads = 1 + _other_dispatching_threads
-  if cpu_pool_threads() >= (dispatching_threads + 1) * local_devices:
-    return 0
-  return 8
-
-
-class StepsInFlight:
-  """Keeps at most `limit` steps dispatched but unfinished.
-
-  When a dispatch makes `limit` steps outstanding, it waits until only half
-  of them are: one wait every `limit // 2` steps, like a hand-written loop
-  that fetches a value now and then, rather than a wait (and a wake-up of
-  this thread by a device thread) after every step. A step's outputs (what
-  `step` returned) finish with it; a step that returns no device arrays is
-  not held back.
-  """
-
-  def __init__(self, limit: int):
-    self._limit = limit
-    self._outputs: collections.deque = collections.deque()
-
-  def dispatched(self, outputs) -> None:
-    if not self._limit:
-      return
-    self._outputs.append(outputs)
-    if len(self._outputs) >= self._limit:
-      # Devices run steps in order: once this one is done, so are those before it.
-      while len(self._outputs) > self._limit // 2:
-        oldest = self._outputs.popleft()
-      jax.block_until_ready(oldest)
 
 
 def checkpoint_attrs(experiment) -> tuple[Mapping[str, str], Mapping[str, str]]:
@@ -330,7 +214,7 @@ def evaluate_should_return_dict(evaluate_fn):
 
 
 class log_activity:  # pylint: disable=invalid-name  (jaxline's name, used as a context manager)
-  """Logs the start, end and duration of an activity, and a failure if it raises."""
+  """Logs the start, end and duration of an activity, and a failure with its traceback."""
 
   def __init__(self, activity_name: str):
     self._name = activity_name
@@ -343,6 +227,25 @@ class log_activity:  # pylint: disable=invalid-name  (jaxline's name, used as a 
     elapsed = time.perf_counter() - self._start
     if exc_type is None:
       logging.info("[jaxline_ng] %s finished (%.2fs).", self._name, elapsed)
-    else:
-      logging.error("[jaxline_ng] %s failed after %.2fs: %s", self._name, elapsed, exc)
+    elif issubclass(exc_type, Exception):
+      # The traceback is logged here, where the activity is named: a failure
+      # on a background thread may be re-raised far from it, or not at all.
+      logging.exception("[jaxline_ng] %s failed after %.2fs.", self._name, elapsed)
+    else:  # KeyboardInterrupt, SystemExit: an exit, not a failure to explain.
+      logging.warning("[jaxline_ng] %s interrupted after %.2fs.", self._name, elapsed)
     return False
+
+
+def construct(experiment_class, mode: str, init_rng, experiment_kwargs):
+  """`experiment_class(mode, init_rng=init_rng, **experiment_kwargs)`, as jaxline does.
+
+  A constructor without an `init_rng` parameter is called without it, with a
+  deprecation warning: such experiments seed themselves from their config.
+  """
+  if "init_rng" in inspect.signature(experiment_class).parameters:
+    return experiment_class(mode, init_rng=init_rng, **experiment_kwargs)
+  logging.warning(
+      "[jaxline_ng] %s.__init__ takes no init_rng: add it and initialise the model "
+      "from it (it derives from config.random_seed); constructing without it is "
+      "deprecated, as in jaxline.", experiment_class.__name__)
+  return experiment_class(mode, **experiment_kwargs)

@@ -25,7 +25,7 @@ of training speed; this design costs a deque append per step.
 import collections
 import math
 import threading
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import jax
 import numpy as np
@@ -173,40 +173,6 @@ class SealedCheck:
   def __call__(self, newest_host: Optional[Any] = None) -> None:
     """Runs the check; `newest_host` is the newest step's scalars if already read."""
     self._guard._check_sealed(self._steps, newest_host)  # pylint: disable=protected-access
-
-  @property
-  def newest_scalars(self) -> Optional[Any]:
-    """The device scalars the check reads, or None if it reads none."""
-    if self._guard._policy == "off" or not self._steps:  # pylint: disable=protected-access
-      return None
-    return dict(self._steps[-1][1])
-
-
-def run_in_order(checks: Sequence[Optional[Callable[[], None]]]) -> list[bool]:
-  """Runs `checks` (None passes) in order; whether each passed (did not raise).
-
-  The scalars every `SealedCheck` reads are copied to the host by one
-  `devices.first_shards_to_host` call, without a dispatch: this runs on a
-  save worker, not the thread that dispatches steps. A failing
-  check reports itself (see `NonFiniteGuard`); under "halt" every check
-  after it fails too.
-  """
-  reads = [(check, check.newest_scalars) for check in checks if isinstance(check, SealedCheck)]
-  reads = [(check, scalars) for check, scalars in reads if scalars is not None]
-  host_values = {id(check): values for (check, _), values in zip(
-      reads, devices.first_shards_to_host([scalars for _, scalars in reads]))}
-  passed = []
-  for check in checks:
-    try:
-      if isinstance(check, SealedCheck):
-        check(host_values.get(id(check)))
-      elif check is not None:
-        check()
-    except Exception:  # pylint: disable=broad-except  (the check reports its own failure)
-      passed.append(False)
-    else:
-      passed.append(True)
-  return passed
 
 
 def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:

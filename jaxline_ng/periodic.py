@@ -1,97 +1,104 @@
-"""Periodic actions (logging, checkpointing) run between training steps.
+"""Periodic actions (logging, writing, checkpointing) run between training steps.
 
-An action is called after every step with `(t, step, scalars)` and decides
-cheaply whether it is due: every `interval` seconds or steps, and optionally
-also at the early steps of a growth schedule (ratios (1, 2, 5) act at steps
-1, 2, 5, 10, 20, 50, 100, ...). Due work runs on the action's own background
-thread unless `run_async=False`, so a slow action does not stall the loop.
+`PeriodicAction` keeps jaxline's contract: called after every step with
+`(t, step, scalars)`, it decides whether it is due (every `interval`
+seconds, or at the multiples of `interval` steps, plus the steps of an
+optional growth schedule and an optional final step) and then calls
+`fn(step, scalars)` with the scalars copied to the host and
+`scalars["steps_per_sec"]` added.
 
-The background thread takes due steps in batches: steps that fall due
-queue on the loop's side (a list append) while it is busy and for at least
-`_BATCH_SECONDS` after the previous batch, then go together: the loop's
-thread stacks their scalars on the devices (one dispatch; the background
-thread never dispatches) and the background thread copies the stacks to
-the host. Acting every step therefore costs the loop next to nothing, and
-wakes the thread a few times a second.
+With `run_async` the calls run on a background thread (`make_async`), in
+step order. Steps that fall due while that thread is busy, or less than
+`_HANDOVER_SECS` after the last hand-over, wait and go over together: acting
+at every step then wakes the thread a few times a second instead of a
+thousand, which on a machine with few cores leaves the CPU to the devices.
 """
 
-import collections
 import concurrent.futures
 import functools
 import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+from absl import logging
 
-from jaxline_ng import devices
-
-# A background action is handed the steps that fell due at most this often
-# (as the loop calls it): each hand-over wakes its thread, which on a machine
-# with fewer cores than busy threads takes time from the devices. Acting
-# every step at 1,000 steps/s then costs ~10 wake-ups a second, not 1,000.
-_BATCH_SECONDS = 0.1
+# The shortest time between two hand-overs of due steps to a background thread.
+_HANDOVER_SECS = 0.1
 
 
 def make_async(thread_name_prefix: str = ""):
   """Decorator: calls run on one background thread, in call order.
 
-  Each call returns a `concurrent.futures.Future`. An exception raised by an
-  earlier call is raised again by the next call (and by `.wait()`), so
-  failures surface on the caller's thread instead of vanishing.
+  Each call returns a `concurrent.futures.Future`. Once a call has raised,
+  the function never runs again: the error is logged with its traceback
+  and raised on the caller's thread by every later call (and by the
+  decorated function's `wait()`), so a failure cannot pass unnoticed.
   """
 
   def decorator(fn):
     executor = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=thread_name_prefix or fn.__name__)
-    unchecked: collections.deque[concurrent.futures.Future] = collections.deque()
+        max_workers=1, thread_name_prefix=thread_name_prefix or getattr(fn, "__name__", "async"))
+    errors: list[BaseException] = []
 
-    def raise_failures(block: bool) -> None:
-      while unchecked and (block or unchecked[0].done()):
-        unchecked.popleft().result()
+    def run(*args, **kwargs):
+      if errors:
+        return None  # A call queued before the failure was seen: skip it.
+      try:
+        return fn(*args, **kwargs)
+      except Exception as e:
+        errors.append(e)
+        logging.exception("[jaxline_ng] Error in background thread %s.", thread_name_prefix)
+        raise
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-      raise_failures(block=False)
-      future = executor.submit(fn, *args, **kwargs)
-      unchecked.append(future)
-      return future
+      if errors:
+        raise errors[0]
+      return executor.submit(run, *args, **kwargs)
 
-    call.wait = functools.partial(raise_failures, block=True)
+    def wait() -> None:
+      """Blocks until every call made so far has run; raises the first error."""
+      executor.submit(lambda: None).result()
+      if errors:
+        raise errors[0]
+
+    call.wait = wait
     return call
 
   return decorator
 
 
-def _growth_steps(ratios: Sequence[float]):
-  """Yields 1, 2, 5, 10, 20, 50, ... for ratios (1, 2, 5), increasing forever."""
-  for exponent in range(64):
-    for ratio in sorted(ratios):
-      yield math.ceil(ratio * 10**exponent)
+def _on_growth_schedule(step: int, ratios: Sequence[float]) -> bool:
+  """Whether `step` is `round(ratio * 10**k)` for one of `ratios`, with
+  `10**k <= step < 10**(k + 1)`: ratios (1, 2, 5) give 1, 2, 5, 10, 20, 50, ..."""
+  if step < 1:
+    return False
+  scale = 10 ** (len(str(int(step))) - 1)
+  return any(step == round(ratio * scale) for ratio in ratios)
 
 
 class PeriodicAction:
-  """Calls `fn(t, step, scalars)` every `interval` seconds or steps.
+  """Calls `fn(step, scalars)` every `interval` seconds or steps (jaxline's class).
 
   Args:
-    fn: the action; with `run_async` it runs on a background thread.
+    fn: the action, called with the step (steps completed) and that step's
+      scalars on the host, `steps_per_sec` added (since the last action).
     interval_type: "secs" or "steps".
-    interval: the period; None never triggers by interval.
-    start_time, start_step: when the action last ran (restored runs pass the
-      checkpointed values so intervals continue rather than restart).
-    run_async: run `fn` on a background thread, one call at a time, in order.
-    log_all_data: keep every step's scalars and pass each one (in step order)
-      to `fn` when the action next runs, instead of only the latest.
-    logging_growth_ratios: also run at the steps of this growth schedule.
-    run_on_final_step: `finish()` runs the action for the last step it saw
-      if that step was not acted on (logging wants this; checkpointing, which
-      saves at the end anyway, does not).
-    first_device_only: with `run_async`, copy to the host only the first
-      local device's copy of per-device and replicated arrays
-      (`devices.stage_first_shards_read`): all that logging reads.
+    interval: the period; with "steps" the action runs at its multiples.
+      None (or 0 steps) never triggers by interval.
+    start_time, start_step: when the action last ran; seconds and
+      `steps_per_sec` are measured from there (see `update_time`).
+    run_async: run `fn` on a background thread, one call at a time, in order;
+      an error it raises is raised by a later call of the action.
+    log_all_data: pass `fn` every step's scalars since the last action, each
+      with its own step, in order, not only the due step's.
+    logging_growth_ratios: with "steps", also act at the steps of this growth
+      schedule (ratios (1, 2, 5): steps 1, 2, 5, 10, 20, 50, 100, ...).
+    end_step_to_action: a step the action always acts at (the last one).
   """
 
   def __init__(self,
-               fn: Callable[[float, int, Any], None],
+               fn: Callable[[int, Any], None],
                interval_type: str,
                interval: Optional[float],
                start_time: float = 0.0,
@@ -99,100 +106,84 @@ class PeriodicAction:
                run_async: bool = True,
                log_all_data: bool = False,
                logging_growth_ratios: Optional[Sequence[float]] = None,
-               run_on_final_step: bool = True,
-               first_device_only: bool = False):
+               end_step_to_action: Optional[int] = None):
     if interval_type not in ("secs", "steps"):
       raise ValueError(f"interval_type={interval_type!r} must be 'secs' or 'steps'")
+    if logging_growth_ratios and interval_type != "steps":
+      raise ValueError("logging_growth_ratios apply to interval_type='steps' only")
     self._fn = fn
     self._by_steps = interval_type == "steps"
     self._interval = interval
     self._prev_time = start_time
     self._prev_step = start_step
     self._log_all_data = log_all_data
-    self._pending: list[tuple[int, Any]] = []
-    self._run_on_final_step = run_on_final_step
-    self._first_device_only = first_device_only
-    self._last_call: Optional[tuple[float, int, Any]] = None
+    self._growth_ratios = tuple(logging_growth_ratios or ())
+    self._end_step = end_step_to_action
+    self._unlogged: list[tuple[int, Any]] = []  # With log_all_data: steps since the last action.
+    self._last_seen: Optional[tuple[float, int, Any]] = None
     self._last_acted_step: Optional[int] = None
-    self._growth = iter(_growth_steps(logging_growth_ratios)) if logging_growth_ratios else None
-    self._next_growth_step = self._advance_growth(start_step)
-    self._executor = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=f"periodic_{getattr(fn, '__name__', 'action')}") \
-        if run_async else None
+    self._due: list[tuple[int, Optional[float], Any]] = []  # Waiting for the background thread.
+    self._handed_over_at = -math.inf
     self._in_progress: Optional[concurrent.futures.Future] = None
-    self._queued: list[tuple[float, int, Any]] = []
-    self._last_submit_time = -math.inf
-
-  def _advance_growth(self, step: int) -> Optional[int]:
-    if self._growth is None:
-      return None
-    for growth_step in self._growth:
-      if growth_step > step:
-        return growth_step
-    return None
+    self._run_async = run_async
+    if run_async:
+      self._act_in_background = make_async(
+          f"periodic_{getattr(fn, '__name__', 'action')}")(self._act_on)
 
   def _is_due(self, t: float, step: int) -> bool:
-    if self._next_growth_step is not None and step >= self._next_growth_step:
-      self._next_growth_step = self._advance_growth(step)
+    if self._end_step is not None and step == self._end_step:
       return True
-    if self._interval is None:
-      return False
     if self._by_steps:
-      return step - self._prev_step >= self._interval
-    return t - self._prev_time >= self._interval
+      if self._growth_ratios and _on_growth_schedule(step, self._growth_ratios):
+        return True
+      return bool(self._interval) and step % self._interval == 0
+    return self._interval is not None and t - self._prev_time >= self._interval
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
-    self._last_call = (t, step, scalars)
+    self._last_seen = (t, step, scalars)
     if self._log_all_data:
-      self._pending.append((step, scalars))
+      self._unlogged.append((step, scalars))
     if self._is_due(t, step):
       self._act(t, step, scalars)
-    elif self._queued:
-      self._submit_if_idle(t)
+    elif self._due:
+      self._hand_over(t)
 
   def _act(self, t: float, step: int, scalars: Any) -> None:
-    batch = self._pending if self._log_all_data else [(step, scalars)]
-    self._pending = []
-    self._prev_time, self._prev_step, self._last_acted_step = t, step, step
-    items = [(t, batch_step, batch_scalars) for batch_step, batch_scalars in batch]
-    if self._executor is None:
-      self._run_items(items)
-      return
-    self._queued.extend(items)
-    self._submit_if_idle(t)
+    elapsed = t - self._prev_time
+    steps_per_sec = (step - self._prev_step) / elapsed if elapsed > 0 else None
+    batch = self._unlogged if self._log_all_data else [(step, scalars)]
+    self._unlogged = []
+    self._due += [(s, steps_per_sec if s == step else None, values) for s, values in batch]
+    self._last_acted_step = step
+    self.update_time(t, step)
+    if not self._run_async:
+      due, self._due = self._due, []
+      self._act_on(due)
+    else:
+      self._hand_over(t)
 
-  def _submit_if_idle(self, t: Optional[float] = None) -> None:
-    """Hands the queued steps to the background thread unless it is busy or,
-    when the loop's time `t` is given, was handed some less than
-    `_BATCH_SECONDS` before."""
-    if t is not None and t - self._last_submit_time < _BATCH_SECONDS:
+  def _hand_over(self, t: Optional[float]) -> None:
+    """Gives the due steps to the background thread, unless it is busy or, at
+    loop time `t`, was given some less than `_HANDOVER_SECS` ago."""
+    if self._in_progress is not None and not self._in_progress.done():
       return
-    if self._in_progress is not None:
-      if not self._in_progress.done():
-        return
-      finished, self._in_progress = self._in_progress, None
-      finished.result()  # Raises what the previous batch raised.
-    if self._queued:
-      items, self._queued = self._queued, []
-      self._last_submit_time = -math.inf if t is None else t
-      scalars = [item[2] for item in items]
-      # Any device work of the read is dispatched here, on the loop's thread;
-      # the background thread only transfers (see `experiment.steps_in_flight_limit`).
-      read = (devices.stage_first_shards_read(scalars) if self._first_device_only
-              else functools.partial(jax.device_get, scalars))
-      self._in_progress = self._executor.submit(self._run_items, items, read)
+    if t is not None and t - self._handed_over_at < _HANDOVER_SECS:
+      return
+    due, self._due = self._due, []
+    self._handed_over_at = -math.inf if t is None else t
+    self._in_progress = self._act_in_background(due)
 
-  def _run_items(self, items: list[tuple[float, int, Any]],
-                 read: Optional[Callable[[], list[Any]]] = None) -> None:
-    """Calls `fn` for each item, with the scalars `read()` returns if given."""
-    scalars = read() if read is not None else [item[2] for item in items]
-    for (t, step, _), host_scalars in zip(items, scalars):
-      self._fn(t, step, host_scalars)
+  def _act_on(self, due: list[tuple[int, Optional[float], Any]]) -> None:
+    """Copies the due steps' scalars to the host and calls `fn` for each."""
+    host_values = jax.device_get([values for _, _, values in due])
+    for (step, steps_per_sec, _), values in zip(due, host_values):
+      if steps_per_sec is not None and isinstance(values, dict):
+        values["steps_per_sec"] = steps_per_sec
+      self._fn(step, values)
 
   def update_time(self, t: float, step: int) -> None:
-    """Restarts the interval from `(t, step)`, e.g. after a restore."""
+    """Measures the next interval (seconds) and `steps_per_sec` from `(t, step)`."""
     self._prev_time, self._prev_step = t, step
-    self._next_growth_step = self._advance_growth(step)
 
   @property
   def last_acted(self) -> tuple[float, int]:
@@ -200,16 +191,17 @@ class PeriodicAction:
     return self._prev_time, self._prev_step
 
   def finish(self) -> None:
-    """Acts on the last step seen if due (see `run_on_final_step`), then waits."""
-    if (self._run_on_final_step and self._last_call is not None
-        and self._last_call[1] != self._last_acted_step):
-      self._act(*self._last_call)
+    """Acts on the last step seen unless it already did, then waits for it."""
+    if self._last_seen is not None and self._last_seen[1] != self._last_acted_step:
+      self._act(*self._last_seen)
     self.wait_to_finish()
 
   def wait_to_finish(self) -> None:
     """Blocks until every due step has been acted on; raises the first error."""
-    while self._in_progress is not None or self._queued:
+    if not self._run_async:
+      return
+    if self._due:
       if self._in_progress is not None:
-        finished, self._in_progress = self._in_progress, None
-        finished.result()
-      self._submit_if_idle()
+        self._in_progress.exception()  # Wait; its error is raised below.
+      self._hand_over(None)
+    self._act_in_background.wait()

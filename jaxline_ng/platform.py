@@ -155,8 +155,9 @@ def _writer_and_record(config, mode: str):
 
 
 def _close(writer) -> None:
-  if writer is not None:
-    writer.close()
+  close = getattr(writer, "close", None)  # Optional in jaxline's Writer protocol.
+  if close is not None:
+    close()
 
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:

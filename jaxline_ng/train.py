@@ -28,6 +28,7 @@ from jaxline_ng import preemption
 from jaxline_ng import profiling
 from jaxline_ng import rng
 from jaxline_ng import run_record
+from jaxline_ng import xla_cpu
 
 # How often a separate eval job looks for a new checkpoint (jaxline's value).
 EVAL_POLL_SECS = 10.0
@@ -71,32 +72,29 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-class _Telemetry:
-  """Steps/sec between calls, and the progress line logged at intervals."""
+def _progress_line(step: int, training_steps: Optional[int], scalars: Mapping[str, Any]) -> str:
+  """"step 120/1000 (12.0%), 85.1 steps/s, ETA 0:00:10 | loss=0.31", from the
+  scalars of `step` (with the `steps_per_sec` a periodic action adds)."""
+  scalars = dict(scalars)
+  steps_per_sec = scalars.pop("steps_per_sec", None)
+  parts = [f"step {step}"]
+  if training_steps:
+    parts[0] += f"/{training_steps} ({100.0 * step / training_steps:.1f}%)"
+  if steps_per_sec:
+    parts.append(f"{steps_per_sec:.1f} steps/s")
+    if training_steps:
+      parts.append(f"ETA {_format_duration((training_steps - step) / steps_per_sec)}")
+  compact = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in sorted(scalars.items()))
+  return "[jaxline_ng] " + ", ".join(parts) + (f" | {compact}" if compact else "")
 
-  def __init__(self, training_steps: Optional[int], start_time: float, start_step: int):
-    self._training_steps = training_steps
-    self._prev_time, self._prev_step = start_time, start_step
 
-  def steps_per_sec(self, t: float, step: int) -> Optional[float]:
-    elapsed, steps = t - self._prev_time, step - self._prev_step
-    if elapsed <= 0 or steps <= 0:
-      return None
-    self._prev_time, self._prev_step = t, step
-    return steps / elapsed
+class _SaveAction(periodic.PeriodicAction):
+  """Periodic saving: it reads no scalars, so it does not wait for the step."""
 
-  def progress_line(self, step: int, steps_per_sec: Optional[float],
-                    scalars: Mapping[str, Any]) -> str:
-    parts = [f"step {step}"]
-    if self._training_steps:
-      parts[0] += f"/{self._training_steps} ({100.0 * step / self._training_steps:.1f}%)"
-    if steps_per_sec:
-      parts.append(f"{steps_per_sec:.1f} steps/s")
-      if self._training_steps:
-        parts.append(f"ETA {_format_duration((self._training_steps - step) / steps_per_sec)}")
-    compact = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in sorted(scalars.items()))
-    return "[jaxline_ng] " + ", ".join(parts) + (f" | {compact}" if compact else "")
+  def _act_on(self, due):
+    for step, _, _ in due:
+      self._fn(step, None)
 
 
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
@@ -113,49 +111,43 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   """
   now, start_step = time.time(), state.global_step
   restored_times = getattr(state, "periodic_action_times", None) or {}
-  growth = config.periodic_action_growth_ratios
   logging_type = _interval_type(config, "logging_interval_type")
+  growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
   actions = {"non_finite_guard": guard}
 
   def last_acted(role, default_time):
     t, step = restored_times.get(role, (default_time, start_step))
     return {"start_time": t, "start_step": step}
 
-  log_telemetry = _Telemetry(config.training_steps, now, start_step)
-
-  def log_progress(t, step, scalars):
+  def log_progress(step, scalars):
     values = host_scalars(scalars)
     guard.observe(step, values)
-    logging.info(log_telemetry.progress_line(step, log_telemetry.steps_per_sec(t, step), values))
+    logging.info(_progress_line(step, config.training_steps, values))
 
   # Logging starts at time 0 so the first step is logged at once.
   actions["log"] = periodic.PeriodicAction(
       log_progress, logging_type, config.log_tensors_interval,
-      logging_growth_ratios=growth, first_device_only=True, **last_acted("log", 0.0))
+      logging_growth_ratios=growth, **last_acted("log", 0.0))
 
   if writer is not None and config.log_train_data_interval is not None:
-    write_telemetry = _Telemetry(config.training_steps, now, start_step)
 
-    def write_scalars(t, step, scalars):
+    def write_scalars(step, scalars):
       values = host_scalars(scalars)
       guard.observe(step, values)
-      steps_per_sec = write_telemetry.steps_per_sec(t, step)
-      if steps_per_sec is not None:
-        values["steps_per_sec"] = steps_per_sec
       writer.write_scalars(step, values)
 
     actions["write"] = periodic.PeriodicAction(
         write_scalars, logging_type, config.log_train_data_interval,
         log_all_data=config.log_all_train_data, logging_growth_ratios=growth,
-        first_device_only=True, **last_acted("write", 0.0))
+        **last_acted("write", 0.0))
 
   saved_at = [None]
   # jaxline_ng's checkpointers run the guard on their save worker (waiting for
   # the step there, not here); a user's checkpointer gets a checked state.
   validates = "validate" in inspect.signature(checkpointer.save).parameters
 
-  def save_latest(t, step, scalars):
-    del t, step, scalars
+  def save_latest(step=None, scalars=None):
+    del step, scalars
     if saved_at[0] == state.global_step:
       return  # The final save right after a periodic one at the same step.
     state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
@@ -168,11 +160,10 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     saved_at[0] = state.global_step
 
   if save_checkpoints:
-    actions["checkpoint"] = periodic.PeriodicAction(
+    actions["checkpoint"] = _SaveAction(
         save_latest, _interval_type(config, "checkpoint_interval_type"),
-        config.save_checkpoint_interval, run_async=False, run_on_final_step=False,
-        **last_acted("checkpoint", now))
-  return list(actions.values()), lambda: save_latest(None, None, None)
+        config.save_checkpoint_interval, run_async=False, **last_acted("checkpoint", now))
+  return actions, save_latest
 
 
 def train(experiment_class, config, checkpointer, writer,
@@ -189,21 +180,16 @@ def train(experiment_class, config, checkpointer, writer,
   mesh_lib.activate(config)
 
   # --- State: construct the experiment, then restore over it. ---
-  state = checkpointer.get_experiment_state("latest")
-  state.config = config
-  state.global_step = 0
-  compiling = threading.Thread(
-      target=rng.compile_ahead, name="jaxline_ng_compile_ahead", daemon=True,
-      args=(config.random_seed, config.random_mode_train, not config.legacy_random_seed_behavior))
-  compiling.start()
+  xla_cpu.reserve_threads()
+  train_key, init_key = rng.seed_keys(config.random_seed, config.legacy_random_seed_behavior)
   with experiment_lib.log_activity("experiment init"):
-    state.experiment_module = experiment_class(
-        "train", init_rng=rng.seed_key(config.random_seed), **config.experiment_kwargs)
-  logging.info("[jaxline_ng] Checkpointed state: %s",
-               experiment_lib.describe_state(state.experiment_module))
-  compiling.join()
-  state.train_step_rng = state.experiment_module.initialize_train_step_rng(
-      config.random_seed, state)
+    experiment = experiment_lib.construct(experiment_class, "train", init_key,
+                                          config.experiment_kwargs)
+  logging.info("[jaxline_ng] Checkpointed state: %s", experiment_lib.describe_state(experiment))
+  state = checkpointer.get_experiment_state("latest")
+  state.global_step = 0
+  state.experiment_module = experiment
+  state.train_step_rng = experiment.initialize_train_step_rng(train_key)
   run_config = json.dumps(run_record.flat_config(config), sort_keys=True)
   if checkpointer.can_be_restored("latest"):
     with experiment_lib.log_activity("checkpoint restore"):
@@ -216,12 +202,15 @@ def train(experiment_class, config, checkpointer, writer,
   guard = guards.NonFiniteGuard(config.non_finite_policy)
   default_actions, save_latest = _default_periodic_actions(
       config, checkpointer, writer, state, save_checkpoints, guard)
-  actions = [*periodic_actions, *default_actions,
-             preemption.StopCheck(config.wall_clock_budget_secs)]
+  for action in periodic_actions:  # As jaxline: the caller's actions count from now.
+    if hasattr(action, "update_time"):
+      action.update_time(time.time(), state.global_step)
+  own_actions = [*default_actions.values(), preemption.StopCheck(config.wall_clock_budget_secs)]
   if config.profile_steps:
-    actions.append(profiling.ProfileWindow(
+    own_actions.append(profiling.ProfileWindow(
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
         steps_completed=state.global_step))
+  actions = [*periodic_actions, *own_actions]
   if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
     save_latest()
 
@@ -234,7 +223,9 @@ def train(experiment_class, config, checkpointer, writer,
       logging.warning("[jaxline_ng] %s: saving and exiting.", e)
       preemption.consume_stop_request()
       preempted = e
-    for action in actions:
+    for action in periodic_actions:
+      action.wait_to_finish()
+    for action in own_actions:  # Logs and writes the last step even if it was not due.
       action.finish()
     if save_checkpoints:
       with experiment_lib.log_activity("final checkpoint"):
@@ -249,8 +240,7 @@ def train(experiment_class, config, checkpointer, writer,
 
   # --- Wrap-up: wait for async work. ---
   checkpointer.wait_for_checkpointing_to_finish()
-  if writer is not None:
-    writer.flush()
+  flush_if_possible(writer)
   multihost.rendezvous("jaxline_ng_train_end")
   if preempted is not None:
     raise preempted
@@ -279,7 +269,6 @@ class _BestTracker:
     self._higher_is_better = config.best_model_eval_metric_higher_is_better
     self._checkpointer = checkpointer
     self._state = checkpointer.get_experiment_state("best")
-    self._state.config = config
     self._state.experiment_module = None  # Restore only the metric, not the weights.
     if checkpointer.can_be_restored("best"):
       checkpointer.restore("best")
@@ -338,18 +327,19 @@ def evaluate(experiment_class, config, checkpointer, writer,
     jaxline_mode = flags.FLAGS.jaxline_mode
   mesh_lib.activate(config)
 
+  xla_cpu.reserve_threads()
   with experiment_lib.log_activity("experiment init"):
-    experiment = experiment_class(
-        jaxline_mode, init_rng=rng.seed_key(config.random_seed), **config.experiment_kwargs)
+    # jaxline initialises the evaluator from the seed's own key.
+    experiment = experiment_lib.construct(experiment_class, jaxline_mode,
+                                          jax.random.PRNGKey(config.random_seed),
+                                          config.experiment_kwargs)
   state = checkpointer.get_experiment_state("latest")
-  state.config = config
   state.global_step = 0
   state.experiment_module = experiment
   best = None
   if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts):
     best = _BestTracker(config, checkpointer, experiment)
-  eval_rng = rng.seeded_run_keys(config.random_seed, config.random_mode_eval,
-                                 train_stream=False)
+  eval_rng = rng.eval_keys(config.random_seed, config.random_mode_eval)
   evaluate_fn = experiment_lib.evaluate_should_return_dict(
       experiment_lib.keyword_filtered(experiment.evaluate))
 
@@ -376,7 +366,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     evaluated_step = state.global_step
 
     # --- Evaluate, write, track the best. ---
-    global_step_devices = rng.step_counter(state.global_step, like=eval_rng)
+    global_step_devices = rng.step_counter(state.global_step)
     with experiment_lib.log_activity(f"evaluation at step {state.global_step}"):
       scalars = evaluate_fn(global_step=global_step_devices, rng=eval_rng, writer=writer)
     _check_best_metric(config, scalars)
@@ -391,8 +381,15 @@ def evaluate(experiment_class, config, checkpointer, writer,
     if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
       break
   checkpointer.wait_for_checkpointing_to_finish()
-  if writer is not None:
-    writer.flush()
+  flush_if_possible(writer)
+
+
+def flush_if_possible(writer) -> None:
+  """Flushes `writer` if it can: jaxline's `Writer` protocol requires only
+  `write_scalars` and `write_images`."""
+  flush = getattr(writer, "flush", None)
+  if flush is not None:
+    flush()
 
 
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
@@ -412,16 +409,13 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
       training_errors.append(e)
 
   trainer = threading.Thread(target=run_training, name="jaxline_ng_train", daemon=True)
-  # The evaluator dispatches while training runs, which the bound on steps in
-  # flight must know before the loop starts.
-  with experiment_lib.dispatching_beside_training():
-    trainer.start()
-    # If evaluation raises, its error propagates and the daemon trainer ends
-    # with the process.
-    evaluate(experiment_class, config, checkpointer, eval_writer,
-             jaxline_mode="train_eval_multithreaded",
-             poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
-             stop_waiting=lambda: not trainer.is_alive())
-    trainer.join()
+  trainer.start()
+  # If evaluation raises, its error propagates and the daemon trainer ends
+  # with the process.
+  evaluate(experiment_class, config, checkpointer, eval_writer,
+           jaxline_mode="train_eval_multithreaded",
+           poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
+           stop_waiting=lambda: not trainer.is_alive())
+  trainer.join()
   if training_errors:
     raise training_errors[0]

@@ -11,10 +11,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA's CPU client pool gets more threads than devices, so a launch waiting on
-# the in-flight limit cannot take the thread a collective needs (see
-# tests/README.md). Inherited by the processes tests start.
-os.environ.setdefault("PJRT_NPROC", "8")
 
 import pytest  # noqa: E402  (JAX reads the variables above when it is first used)
 

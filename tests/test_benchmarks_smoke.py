@@ -26,7 +26,7 @@ def test_benchmark_suite_smoke(tmp_path, capsys):
   out = tmp_path / "results.json"
   assert run.main(["--smoke", "--out", str(out)]) == 0
   table = capsys.readouterr().out
-  for row in ("loop: framework / hand-written", "loop, at most 8 steps in flight", "loop, mesh mode",
+  for row in ("loop: framework / hand-written", "loop, mesh mode",
               "noise: hand-written loop",
               "logging every step",
               "in-memory checkpoint",

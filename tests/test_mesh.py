@@ -97,10 +97,13 @@ def test_mesh_resume_from_disk_continues_identically_with_shardings(tmp_path):
 
 def test_unique_host_keys_need_one_process_in_mesh_mode(monkeypatch, tmp_path):
   mesh.activate(toy_config(tmp_path, "mesh"))
-  assert rng.mesh_key(rng.seed_key(0), "unique_host_unique_device").shape == (2,)
+  assert rng.eval_keys(0, "unique_host_unique_device").shape == (2,)
+  rng.check_mesh_random_mode("unique_host_unique_device", "random_mode_train")
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   with pytest.raises(ValueError, match="mesh-mode step takes one global key"):
-    rng.mesh_key(rng.seed_key(0), "unique_host_unique_device")
+    rng.check_mesh_random_mode("unique_host_unique_device", "random_mode_train")
+  with pytest.raises(ValueError, match="random_mode_eval"):
+    rng.eval_keys(0, "unique_host_unique_device")
 
 
 @pytest.mark.parametrize("shape,message", [

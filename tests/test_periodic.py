@@ -1,56 +1,95 @@
-"""PeriodicAction: when actions run, and how their errors surface."""
+"""PeriodicAction and make_async: jaxline's contract, and how errors surface."""
 
 import threading
 import time
 
-import jax
-import numpy as np
 import pytest
 
-from jaxline_ng import devices, periodic
+from jaxline_ng import periodic
 
 
 class Calls:
+  """An action function with jaxline's signature, `fn(step, scalars)`."""
 
   def __init__(self):
     self.steps = []
 
-  def __call__(self, t, step, scalars):
+  def __call__(self, step, scalars):
     self.steps.append((step, scalars))
 
 
 def drive(action, steps, times=None):
   for i, step in enumerate(steps):
-    action(times[i] if times else 0.0, step, {"s": step})
+    action(times[i] if times else float(step), step, {"s": step})
   action.wait_to_finish()
 
 
-def test_steps_interval():
+def acted_steps(calls):
+  return [step for step, _ in calls.steps]
+
+
+def test_steps_interval_acts_at_multiples():
   calls = Calls()
   drive(periodic.PeriodicAction(calls, "steps", 3, run_async=False), range(1, 11))
-  assert [s for s, _ in calls.steps] == [3, 6, 9]
+  assert acted_steps(calls) == [3, 6, 9]
+
+
+def test_steps_interval_acts_at_multiples_after_a_resume_at_another_step():
+  calls = Calls()
+  drive(periodic.PeriodicAction(calls, "steps", 5, start_step=12, run_async=False),
+        range(13, 24))
+  assert acted_steps(calls) == [15, 20]
 
 
 def test_secs_interval_uses_given_times():
   calls = Calls()
   action = periodic.PeriodicAction(calls, "secs", 10.0, start_time=100.0, run_async=False)
   drive(action, range(1, 7), times=[101, 105, 110, 115, 119, 120.5])
-  assert [s for s, _ in calls.steps] == [3, 6]
+  assert acted_steps(calls) == [3, 6]
 
 
-def test_start_step_continues_interval_after_resume():
+def test_update_time_restarts_the_secs_interval_and_steps_per_sec():
   calls = Calls()
-  drive(periodic.PeriodicAction(calls, "steps", 5, start_step=12, run_async=False),
-        range(13, 24))
-  assert [s for s, _ in calls.steps] == [17, 22]
+  action = periodic.PeriodicAction(calls, "secs", 10.0, run_async=False)
+  action.update_time(1000.0, 40)
+  drive(action, range(41, 46), times=[1001, 1005, 1009, 1010, 1011])
+  assert acted_steps(calls) == [44]
+  assert calls.steps[0][1]["steps_per_sec"] == pytest.approx(4 / 10)
 
 
-def test_growth_ratios_add_early_steps():
+def test_fn_gets_steps_per_sec_since_the_last_action():
   calls = Calls()
-  action = periodic.PeriodicAction(calls, "steps", 100, run_async=False,
-                                   logging_growth_ratios=(1, 2, 5))
-  drive(action, range(1, 251))
-  assert [s for s, _ in calls.steps] == [1, 2, 5, 10, 20, 50, 100, 200]
+  drive(periodic.PeriodicAction(calls, "steps", 2, start_time=0.0, run_async=False),
+        range(1, 5), times=[1.0, 2.0, 3.0, 6.0])
+  assert calls.steps == [(2, {"s": 2, "steps_per_sec": pytest.approx(1.0)}),
+                         (4, {"s": 4, "steps_per_sec": pytest.approx(0.5)})]
+
+
+@pytest.mark.parametrize("ratios, steps, expected", [
+    ((1, 2, 5), range(1, 1010), [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]),
+    ((1, 2, 5, 10), range(1, 1010), [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]),
+    # At every scale, not only early: 4e5 is 4 * 10**5.
+    ((1, 2, 3, 4, 5), range(399_901, 400_101), [400_000]),
+    ((2, 5), range(1, 120), [2, 5, 20, 50]),
+])
+def test_growth_ratios_act_where_jaxline_does(ratios, steps, expected):
+  calls = Calls()
+  action = periodic.PeriodicAction(calls, "steps", 1_000_000, run_async=False,
+                                   logging_growth_ratios=ratios)
+  drive(action, steps)
+  assert acted_steps(calls) == expected
+
+
+def test_growth_ratios_need_a_steps_interval():
+  with pytest.raises(ValueError, match="steps"):
+    periodic.PeriodicAction(Calls(), "secs", 10.0, logging_growth_ratios=(1, 2, 5))
+
+
+def test_end_step_to_action_always_acts_at_that_step():
+  calls = Calls()
+  action = periodic.PeriodicAction(calls, "steps", 200, end_step_to_action=1010)
+  drive(action, range(1, 1011))
+  assert acted_steps(calls) == [200, 400, 600, 800, 1000, 1010]
 
 
 def test_log_all_data_passes_every_step_in_order():
@@ -58,27 +97,24 @@ def test_log_all_data_passes_every_step_in_order():
   action = periodic.PeriodicAction(calls, "steps", 4, log_all_data=True)
   drive(action, range(1, 10))
   action.finish()
-  assert [s for s, _ in calls.steps] == list(range(1, 10))
+  assert acted_steps(calls) == list(range(1, 10))
   assert [v["s"] for _, v in calls.steps] == list(range(1, 10))
 
 
-def test_finish_acts_on_unacted_final_step_only_when_asked():
+def test_finish_acts_on_an_unacted_final_step():
   calls = Calls()
   action = periodic.PeriodicAction(calls, "steps", 4, run_async=False)
   drive(action, range(1, 7))
+  assert acted_steps(calls) == [4]
   action.finish()
-  assert [s for s, _ in calls.steps] == [4, 6]
-  calls = Calls()
-  action = periodic.PeriodicAction(calls, "steps", 4, run_async=False, run_on_final_step=False)
-  drive(action, range(1, 7))
-  action.finish()
-  assert [s for s, _ in calls.steps] == [4]
+  assert acted_steps(calls) == [4, 6]
 
 
 def test_async_action_runs_off_the_calling_thread_in_order():
   threads, steps = set(), []
 
-  def record(t, step, scalars):
+  def record(step, scalars):
+    del scalars
     time.sleep(0.001)
     threads.add(threading.current_thread().name)
     steps.append(step)
@@ -89,69 +125,83 @@ def test_async_action_runs_off_the_calling_thread_in_order():
   assert threading.current_thread().name not in threads
 
 
-def test_async_error_is_raised_on_the_next_call_or_wait():
-
-  def fail(t, step, scalars):
-    raise RuntimeError(f"failed at {step}")
-
-  action = periodic.PeriodicAction(fail, "steps", 1)
-  action(0.0, 1, {})
-  with pytest.raises(RuntimeError, match="failed at 1"):
-    action.wait_to_finish()
-  # Loop times a second apart: batches are handed over at most every 0.1 s.
-  action(1.0, 2, {})
-  time.sleep(0.2)
-  with pytest.raises(RuntimeError, match="failed at 2"):
-    action(2.0, 3, {})
-
-
-def test_make_async_returns_futures():
-  @periodic.make_async()
-  def double(x):
-    return 2 * x
-
-  assert double(21).result() == 42
-
-
-def test_async_steps_due_within_a_batch_interval_run_together():
-  """Acting every step wakes the background thread once per `_BATCH_SECONDS`, not per step."""
+def test_async_steps_due_within_a_handover_interval_go_together():
+  """Acting every step wakes the background thread a few times a second, not per step."""
   batches = []
-  action = periodic.PeriodicAction(lambda t, step, scalars: None, "steps", 1)
-  original = action._run_items  # pylint: disable=protected-access
+  action = periodic.PeriodicAction(Calls(), "steps", 1)
+  act_on = action._act_on  # pylint: disable=protected-access
 
-  def record(items, read):
-    batches.append([step for _, step, _ in items])
-    original(items, read)
+  def record(due):
+    batches.append([step for step, _, _ in due])
+    act_on(due)
 
-  action._run_items = record  # pylint: disable=protected-access
+  action._act_in_background = periodic.make_async()(record)  # pylint: disable=protected-access
   for step in range(1, 51):
     action(1.0 + step * 0.001, step, {})  # 50 steps within 0.05 s of loop time.
   action(1.2, 51, {})
   action.wait_to_finish()
   assert batches[0] == [1]
   assert batches[1] == list(range(2, 52))
-  assert [step for batch in batches for step in batch] == list(range(1, 52))
 
 
-def test_batched_reads_dispatch_on_the_loops_thread_only(monkeypatch):
-  """The logging thread only transfers: a dispatch there could take the XLA
-  CPU pool threads an unbounded training loop's collective needs."""
-  stacking_threads = []
-  real_stack = devices._stack_columns  # pylint: disable=protected-access
+def test_async_error_is_raised_by_a_later_call_or_wait():
 
-  def stack(columns):
-    stacking_threads.append(threading.current_thread())
-    return real_stack(columns)
+  def fail(step, scalars):
+    raise RuntimeError(f"failed at {step}")
 
-  monkeypatch.setattr(devices, "_stack_columns", stack)
-  monkeypatch.setattr(periodic, "_BATCH_SECONDS", 60.0)
-  logged = []
-  action = periodic.PeriodicAction(lambda t, step, scalars: logged.append((step, scalars)),
-                                   "steps", 1, first_device_only=True)
-  per_device = devices.put_per_device(np.arange(jax.local_device_count(), dtype=np.float32))
-  for step in range(1, 21):  # Step 1 goes alone; 2..20 (16 + 3) wait for the batch interval.
-    action(float(step), step, {"loss": per_device + step})
-  action.wait_to_finish()
-  assert stacking_threads == [threading.current_thread()] * 2
-  assert [(step, float(scalars["loss"][0])) for step, scalars in logged] == [
-      (step, float(step)) for step in range(1, 21)]
+  action = periodic.PeriodicAction(fail, "steps", 1)
+  action(0.0, 1, {})
+  with pytest.raises(RuntimeError, match="failed at 1"):
+    action.wait_to_finish()
+  with pytest.raises(RuntimeError, match="failed at 1"):
+    action(1.0, 2, {})
+
+
+def test_make_async_returns_futures_and_runs_in_call_order():
+  order = []
+
+  @periodic.make_async()
+  def record(x):
+    time.sleep(0.01 * (3 - x))
+    order.append(x)
+    return 2 * x
+
+  futures = [record(x) for x in range(3)]
+  assert [f.result() for f in futures] == [0, 2, 4]
+  assert order == [0, 1, 2]
+
+
+def test_make_async_never_runs_again_after_an_error():
+  runs = []
+
+  @periodic.make_async()
+  def fails_once_run():
+    runs.append(None)
+    raise ValueError("first failure")
+
+  future = fails_once_run()
+  assert isinstance(future.exception(), ValueError)
+  for _ in range(3):
+    with pytest.raises(ValueError, match="first failure"):
+      fails_once_run()
+  with pytest.raises(ValueError, match="first failure"):
+    fails_once_run.wait()
+  assert runs == [None]
+
+
+def test_make_async_skips_calls_queued_before_the_error_was_seen():
+  runs = []
+  release = threading.Event()
+
+  @periodic.make_async()
+  def work(x):
+    release.wait()
+    runs.append(x)
+    if x == 0:
+      raise ValueError("boom")
+
+  first, second = work(0), work(1)  # Both queued before the first fails.
+  release.set()
+  assert isinstance(first.exception(), ValueError)
+  second.result()
+  assert runs == [0]

@@ -1,15 +1,22 @@
-"""Random modes: which hosts and devices share keys."""
+"""Random keys: jaxline's streams, the random modes, and resuming the chain."""
+
+import functools
 
 import jax
 import numpy as np
 import pytest
 
-from jaxline_ng import rng
+from jaxline_ng import devices, rng
 
 
-def keys_for(mode, process_index, monkeypatch):
+def chain_of(seed):
+  return devices.bcast_local_devices(jax.random.PRNGKey(seed))
+
+
+def step_keys(mode, process_index, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: process_index)
-  return np.asarray(rng.per_device_keys(rng.seed_key(0), mode))
+  step_rng, _ = rng.split_chain(chain_of(0), mode)
+  return np.asarray(step_rng)
 
 
 @pytest.mark.parametrize("mode,hosts_differ,devices_differ", [
@@ -19,7 +26,7 @@ def keys_for(mode, process_index, monkeypatch):
     ("same_host_same_device", False, False),
 ])
 def test_random_mode_relations(monkeypatch, mode, hosts_differ, devices_differ):
-  host0, host1 = keys_for(mode, 0, monkeypatch), keys_for(mode, 1, monkeypatch)
+  host0, host1 = step_keys(mode, 0, monkeypatch), step_keys(mode, 1, monkeypatch)
   num_devices = jax.local_device_count()
   assert host0.shape == (num_devices, 2) and host0.dtype == np.uint32
   assert len({tuple(k) for k in host0}) == (num_devices if devices_differ else 1)
@@ -30,61 +37,86 @@ def test_random_mode_relations(monkeypatch, mode, hosts_differ, devices_differ):
 
 def test_unknown_mode_is_rejected_with_its_name():
   with pytest.raises(ValueError, match="'unique_everything'"):
-    rng.per_device_keys(rng.seed_key(0), "unique_everything")
+    rng.split_chain(chain_of(0), "unique_everything")
+  with pytest.raises(ValueError, match="random_mode_eval='unique_everything'"):
+    rng.eval_keys(0, "unique_everything")
 
 
-def test_specialize_inside_pmap_matches_jaxline_contract():
-  mode = "same_host_unique_device"
-  specialize = jax.pmap(
-      lambda key, host: rng.specialize_rng_host_device(key, host, "i", mode), axis_name="i")
+def test_seed_keys_are_jaxlines():
+  key = jax.random.PRNGKey(5)
+  train_key, init_key = rng.seed_keys(5, legacy_random_seed_behavior=False)
+  np.testing.assert_array_equal(np.stack([train_key, init_key]), jax.random.split(key))
+  for k in rng.seed_keys(5, legacy_random_seed_behavior=True):
+    np.testing.assert_array_equal(k, key)
+
+
+@pytest.mark.parametrize("mode", rng.RANDOM_MODES)
+def test_split_chain_gives_the_keys_of_jaxlines_per_step_pmap(mode):
+  """Each step: split the replicated chain, keep [1], specialise [0] in a pmap."""
+  host_ids = rng.host_id_devices_for_rng(mode)
+
+  @functools.partial(jax.pmap, axis_name="i")
+  def jaxline_step(chain, host_id):
+    step_key, next_chain = tuple(jax.random.split(chain))
+    return rng.specialize_rng_host_device(step_key, host_id, "i", mode), next_chain
+
+  chain = expected_chain = chain_of(3)
+  for _ in range(3):
+    step_rng, chain = rng.split_chain(chain, mode)
+    expected_rng, expected_chain = jaxline_step(
+        expected_chain, host_ids if host_ids is not None else np.zeros(len(step_rng), np.int32))
+    np.testing.assert_array_equal(step_rng, expected_rng)
+    np.testing.assert_array_equal(chain, expected_chain)
+
+
+def test_resuming_from_a_saved_chain_continues_the_same_keys():
+  mode = "unique_host_unique_device"
+  chain, keys, saved = chain_of(1), [], None
+  for step in range(6):
+    step_rng, chain = rng.split_chain(chain, mode)
+    keys.append(np.asarray(step_rng))
+    if step == 2:
+      saved = np.asarray(chain)  # What a checkpoint after step 3 holds.
+  resumed = rng.place_chain(saved)
+  for step in range(3, 6):
+    step_rng, resumed = rng.split_chain(resumed, mode)
+    np.testing.assert_array_equal(step_rng, keys[step])
+
+
+def test_a_replicated_chain_resumes_on_another_device_count():
   num_devices = jax.local_device_count()
-  keys = np.broadcast_to(np.asarray(rng.seed_key(3)), (num_devices, 2))
-  assert rng.host_id_devices_for_rng(mode) is None
-  out = np.asarray(specialize(keys, np.zeros(num_devices, np.int32)))
-  assert len({tuple(k) for k in out}) == num_devices
-  hosts = rng.host_id_devices_for_rng("unique_host_same_device")
-  np.testing.assert_array_equal(hosts, np.zeros(num_devices))
+  key = np.asarray(jax.random.PRNGKey(4))
+  for saved_devices in (1, 2, num_devices + 3):
+    placed = rng.place_chain(np.broadcast_to(key, (saved_devices, 2)))
+    assert placed.shape == (num_devices, 2)
+    np.testing.assert_array_equal(placed, np.broadcast_to(key, (num_devices, 2)))
 
 
-def test_step_inputs_chain_is_independent_of_block_boundaries():
-  """Resuming mid-block from a chain key continues the same sequence."""
-  start = rng.per_device_keys(rng.seed_key(1), "unique_host_unique_device")
-  stream = rng.StepInputs(0, start)
-  run = [stream.next() for _ in range(2 * rng.STEPS_PER_DISPATCH + 5)]
-  resume_at = 7
-  resumed = rng.StepInputs(resume_at, run[resume_at - 1][2].resolve())
-  for offset in range(rng.STEPS_PER_DISPATCH):
-    steps, key, chain = resumed.next()
-    expected_steps, expected_key, expected_chain = run[resume_at + offset]
-    np.testing.assert_array_equal(steps, expected_steps)
-    np.testing.assert_array_equal(key, expected_key)
-    np.testing.assert_array_equal(chain.resolve(), expected_chain.resolve())
+def test_per_device_chains_refuse_another_device_count_naming_both():
+  rows = np.arange(2 * 7, dtype=np.uint32).reshape(7, 2)
+  with pytest.raises(ValueError, match="7 different per-device keys.*7 local devices"):
+    rng.place_chain(rows)
 
 
 def test_step_key_is_not_the_next_chain_key():
-  stream = rng.StepInputs(0, rng.per_device_keys(rng.seed_key(1), "same_host_same_device"))
-  _, key, chain = stream.next()
-  assert not np.array_equal(key, chain.resolve())
-  _, next_key, _ = stream.next()
+  step_rng, chain = rng.split_chain(chain_of(1), "same_host_same_device")
+  next_rng, _ = rng.split_chain(chain, "same_host_same_device")
+  assert not np.array_equal(step_rng, chain)
   # What a step derives by splitting its key never becomes a later step's key.
-  children = np.asarray(jax.vmap(jax.random.split)(key))
+  children = np.asarray(jax.vmap(jax.random.split)(step_rng))
   for child in (children[:, 0], children[:, 1]):
-    assert not np.array_equal(child, next_key)
+    assert not np.array_equal(child, next_rng)
 
 
-def test_seeded_keys_equal_the_step_by_step_derivation():
-  for mode in rng.RANDOM_MODES:
-    for train_stream in (False, True):
-      key = rng.train_chain_key(7, legacy_random_seed_behavior=not train_stream)
-      np.testing.assert_array_equal(
-          rng.seeded_run_keys(7, mode, train_stream=train_stream),
-          rng.per_device_keys(key, mode))
+def test_eval_keys_are_the_seeds_key_specialised():
+  keys = np.asarray(rng.eval_keys(9, "same_host_same_device"))
+  np.testing.assert_array_equal(
+      keys, np.broadcast_to(jax.random.PRNGKey(9), (jax.local_device_count(), 2)))
+  assert len({tuple(k) for k in np.asarray(rng.eval_keys(9, "same_host_unique_device"))}) == \
+      jax.local_device_count()
 
 
-def test_pending_chain_key_to_host_equals_resolve():
-  stream = rng.StepInputs(0, rng.per_device_keys(rng.seed_key(2), "unique_host_unique_device"))
-  pending = [stream.next()[2] for _ in range(3)]
-  for chain in pending:
-    host = chain.to_host()
-    assert isinstance(host, np.ndarray)
-    np.testing.assert_array_equal(host, np.asarray(chain.resolve()))
+def test_step_counter_is_a_read_only_host_array_per_device():
+  steps = rng.step_counter(12)
+  assert isinstance(steps, np.ndarray) and steps.shape == (jax.local_device_count(),)
+  assert (steps == 12).all() and not steps.flags.writeable

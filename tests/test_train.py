@@ -1,6 +1,5 @@
 """The training loop: what `step` sees, what is checkpointed, what is logged."""
 
-import contextlib
 import threading
 
 import jax
@@ -86,9 +85,8 @@ def test_step_keys_are_same_across_devices_in_same_device_mode():
 
 
 def test_train_key_differs_from_init_key_unless_legacy():
-  init_key = np.asarray(rng.seed_key(42))
   for legacy, should_match in ((False, False), (True, True)):
-    chain = np.asarray(rng.train_chain_key(42, legacy))
+    chain, init_key = map(np.asarray, rng.seed_keys(42, legacy))
     assert (chain == init_key).all() == should_match
 
 
@@ -254,12 +252,12 @@ def test_step_compiles_once_over_many_steps():
   Traced.traces = 0
   config = make_config(training_steps=40, log_tensors_interval=7, save_checkpoint_interval=9)
   train.train(Traced, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
-  compiled_advances = rng._advance_steps._cache_size()  # pylint: disable=protected-access
+  compiled_advances = rng._split_chain._cache_size()  # pylint: disable=protected-access
   Traced.traces = 0
   utils.GLOBAL_CHECKPOINT_DICT.clear()
   train.train(Traced, config, checkpointing.InMemoryCheckpointer(config, "train"), Recorder())
   assert Traced.traces == 1  # The user's step: once per experiment instance.
-  assert rng._advance_steps._cache_size() == compiled_advances  # Ours: never again.
+  assert rng._split_chain._cache_size() == compiled_advances  # Ours: never again.
 
 
 class Failing(Counting):
@@ -339,86 +337,6 @@ def test_evaluator_evaluates_each_step_once_when_saves_race_its_polls():
   train.evaluate(Counting, make_config(training_steps=3), RacingCheckpointer(), writer,
                  jaxline_mode="eval", poll_interval_secs=0)
   assert [step for step, _ in writer.scalars] == [2, 3]
-
-
-def test_steps_in_flight_are_bounded_when_another_thread_dispatches():
-  config = make_config()
-  # 4 fake CPU devices, and conftest's PJRT_NPROC=8: 2 pool threads per device,
-  # room for the training thread's dispatches and the collective, no more.
-  assert experiment.steps_in_flight_limit(config) == 0
-  with experiment.dispatching_beside_training():
-    assert experiment.steps_in_flight_limit(config) == 8
-    config.max_steps_in_flight = 0
-    assert experiment.steps_in_flight_limit(config) == 0
-  config.max_steps_in_flight = 3
-  assert experiment.steps_in_flight_limit(config) == 3
-
-
-@pytest.mark.parametrize("env, cpus, other_dispatchers, limit", [
-    ({"PJRT_NPROC": "8"}, 2, 0, 0),               # 2 pool threads per device: training alone
-    ({"PJRT_NPROC": "8"}, 2, 1, 8),               # ... but not with an evaluator
-    ({"PJRT_NPROC": "12"}, 2, 1, 0),
-    ({"PJRT_NPROC": "7"}, 64, 0, 8),              # PJRT_NPROC wins over the CPUs
-    ({"NPROC": "8"}, 2, 0, 0),
-    ({"PJRT_NPROC": "many", "NPROC": "4"}, 64, 0, 8),  # not an integer: skipped, as XLA does
-    ({}, 2, 0, 8),                                # a 2-core machine: one thread per device
-    ({}, 8, 0, 0),
-])
-def test_steps_in_flight_bound_depends_on_the_cpu_pool(monkeypatch, env, cpus,
-                                                       other_dispatchers, limit):
-  for name in ("PJRT_NPROC", "NPROC"):
-    monkeypatch.delenv(name, raising=False)
-  for name, value in env.items():
-    monkeypatch.setenv(name, value)
-  monkeypatch.setattr(experiment.os, "sched_getaffinity", lambda pid: set(range(cpus)))
-  with contextlib.ExitStack() as stack:
-    for _ in range(other_dispatchers):
-      stack.enter_context(experiment.dispatching_beside_training())
-    assert experiment.steps_in_flight_limit(make_config()) == limit
-
-
-def test_train_eval_multithreaded_bounds_training_for_its_evaluator(monkeypatch):
-  limits = []
-  real_limit = experiment.steps_in_flight_limit
-  monkeypatch.setattr(experiment, "steps_in_flight_limit",
-                      lambda config: limits.append(real_limit(config)) or limits[-1])
-  config = make_config(training_steps=2)
-  train.train(Counting, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
-  train.train_eval_multithreaded(Counting, config,
-                                 checkpointing.InMemoryCheckpointer(config, "train"), None)
-  assert limits == [0, 8]
-
-
-class Waited:
-  """A step output that records when the loop waits for it."""
-
-  def __init__(self, step, waits):
-    self.step, self._waits = step, waits
-
-  def block_until_ready(self):
-    self._waits.append(self.step)
-    return self
-
-
-def test_steps_in_flight_blocks_on_the_oldest_outputs():
-  waits = []
-  in_flight = experiment.StepsInFlight(2)
-  for step in range(5):
-    in_flight.dispatched({"loss": Waited(step, waits)})
-  # After dispatching step k, step k - 1 is waited for: at most 2 in flight.
-  assert waits == [0, 1, 2, 3]
-  unbounded = experiment.StepsInFlight(0)
-  unbounded.dispatched({"loss": Waited(9, waits)})
-  assert waits == [0, 1, 2, 3]
-
-
-def test_steps_in_flight_waits_in_bursts():
-  waits = []
-  in_flight = experiment.StepsInFlight(8)
-  for step in range(16):
-    in_flight.dispatched({"loss": Waited(step, waits)})
-  # At 8 outstanding it waits until 4 are: one wait per 4 steps, never 9 in flight.
-  assert waits == [3, 7, 11]
 
 
 class LiveSnapshot(Donating):

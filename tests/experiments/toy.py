@@ -91,7 +91,7 @@ class Experiment(experiment.AbstractExperiment):
     if step == 0 and self.config.record_keys_dir:
       keys = {"step": np.asarray(rng)}
       for mode in rng_lib.RANDOM_MODES:
-        keys[mode] = np.asarray(rng_lib.per_device_keys(rng_lib.seed_key(0), mode))
+        keys[mode] = np.asarray(rng_lib.eval_keys(0, mode))
       np.savez(f"{self.config.record_keys_dir}/keys_p{jax.process_index()}.npz", **keys)
     self._params, loss = self._update(self._params, self._batch(step))
     return {"loss": loss if self._mesh is not None else utils.get_first(loss)}

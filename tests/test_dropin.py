@@ -1,0 +1,260 @@
+"""Code written for jaxline 0.0.8 runs with only the import changed.
+
+Each test uses jaxline's documented contract the way jaxline's own tests and
+published experiments use it: a constructor without `init_rng`, an
+`initialize_train_step_rng(self, rng)` override, a checkpointer that keeps
+the state in a `ConfigDict`, a writer with only `write_scalars` and
+`write_images`.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import config_dict
+
+from jaxline_ng import base_config, experiment, train, utils
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_config(**overrides):
+  config = base_config.get_base_config()
+  config.training_steps = 3
+  config.log_tensors_interval = 0
+  config.interval_type = "steps"
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+class NoInitRng(experiment.AbstractExperiment):
+  """jaxline's test experiment shape: no init_rng, an rng-initialising override."""
+
+  CHECKPOINT_ATTRS = {"_w": "w"}
+  NON_BROADCAST_CHECKPOINT_ATTRS = {"_count": "count"}
+
+  def __init__(self, mode, scale=1.0):
+    super().__init__(mode=mode)
+    self.scale = scale
+    self.init_arg = None
+    self.step_rngs = []
+    self._w = utils.bcast_local_devices(jnp.zeros(2))
+    self._count = 0
+
+  def initialize_train_step_rng(self, rng):
+    self.init_arg = rng
+    return super().initialize_train_step_rng(rng)
+
+  def step(self, *, global_step, rng, writer):
+    del global_step, writer
+    self.step_rngs.append(rng)
+    self._w = self._w + self.scale
+    self._count += 1
+    return {"loss": -1}
+
+  def evaluate(self, *, global_step, rng, writer):
+    del global_step, rng, writer
+    return {"w": float(utils.get_first(self._w)[0])}
+
+
+class ConfigDictCheckpointer:
+  """A user's checkpointer in jaxline's style: the state is a ConfigDict, and
+  every save keeps a shallow copy of it (as jaxline's DummyCheckpoint does)."""
+
+  def __init__(self):
+    self._state = config_dict.ConfigDict()
+    self.saved = []
+
+  def get_experiment_state(self, unused_series):
+    return self._state
+
+  def save(self, unused_series):
+    self.saved.append({k: v for k, v in self._state.items()})
+
+  def can_be_restored(self, unused_series):
+    return False
+
+  def restore(self, unused_series):
+    raise AssertionError("nothing to restore")
+
+  def restore_path(self, unused_series):
+    return None
+
+  def wait_for_checkpointing_to_finish(self):
+    pass
+
+
+class MinimalWriter:
+  """jaxline's Writer protocol: write_scalars and write_images, nothing else."""
+
+  def __init__(self):
+    self.scalars = []
+
+  def write_scalars(self, global_step, scalars):
+    self.scalars.append((global_step, dict(scalars)))
+
+  def write_images(self, global_step, images):
+    del global_step, images
+
+
+def test_constructor_without_init_rng_is_called_as_jaxline_does():
+  config = make_config(experiment_kwargs=config_dict.ConfigDict({"scale": 2.0}))
+  with mock.patch("absl.logging.warning") as warning:
+    train.train(NoInitRng, config, ConfigDictCheckpointer(), None)
+  assert any("init_rng" in str(call) for call in warning.call_args_list)
+
+
+def test_initialize_train_step_rng_gets_one_key_and_places_it_per_device():
+  checkpointer = ConfigDictCheckpointer()
+  train.train(NoInitRng, make_config(), checkpointer, None)
+  state = checkpointer.get_experiment_state("latest")
+  module = state.experiment_module
+  # jaxline: the seed's key split in two, the first half to the chain.
+  np.testing.assert_array_equal(module.init_arg, jax.random.split(jax.random.PRNGKey(42))[0])
+  assert state.train_step_rng.shape == (jax.local_device_count(), 2)
+  assert len(module.step_rngs) == 3
+  assert all(r.shape == (jax.local_device_count(), 2) for r in module.step_rngs)
+  assert len({np.asarray(r).tobytes() for r in module.step_rngs}) == 3
+
+
+def test_a_configdict_checkpointer_sees_plain_values_in_the_state():
+  checkpointer = ConfigDictCheckpointer()
+  config = make_config(save_checkpoint_interval=1, training_steps=4)
+  train.train(NoInitRng, config, checkpointer, None)
+  assert [saved["global_step"] for saved in checkpointer.saved] == [1, 2, 3, 4]
+  for saved in checkpointer.saved:
+    assert type(saved["global_step"]) is int
+    assert isinstance(saved["train_step_rng"], jax.Array)
+    for name, value in saved.items():
+      if name not in ("experiment_module", "periodic_action_times"):
+        assert isinstance(value, (int, float, str, jax.Array, np.ndarray)), (name, type(value))
+  # Every save's key is the real chain at that step, usable as it is.
+  keys = [np.asarray(saved["train_step_rng"]) for saved in checkpointer.saved]
+  assert len({k.tobytes() for k in keys}) == 4
+
+
+def test_a_writer_with_only_jaxlines_two_methods_works_in_train_and_evaluate():
+  writer = MinimalWriter()
+  config = make_config(log_train_data_interval=1)
+  train.train(NoInitRng, config, ConfigDictCheckpointer(), writer)
+  assert [step for step, _ in writer.scalars] == [1, 2, 3]
+  assert all("steps_per_sec" in scalars for _, scalars in writer.scalars[1:])
+
+  class OneCheckpoint(ConfigDictCheckpointer):
+    def can_be_restored(self, unused_series):
+      return True
+
+    def restore(self, unused_series):
+      self._state.global_step = 3
+
+    def restore_path(self, unused_series):
+      return "only"
+
+  eval_writer = MinimalWriter()
+  train.evaluate(NoInitRng, make_config(), OneCheckpoint(), eval_writer, jaxline_mode="eval")
+  assert eval_writer.scalars == [(3, {"w": 0.0})]
+
+
+def test_log_activity_logs_a_failure_with_its_traceback():
+  with mock.patch("absl.logging.exception") as exception:
+    with pytest.raises(ValueError, match="Intentional"):
+      with utils.log_activity("for test"):
+        raise ValueError("Intentional")
+  exception.assert_called_once()
+  assert "for test" in exception.call_args.args[1]
+
+
+def test_a_failing_constructor_exits_1_with_its_error_last(tmp_path):
+  script = tmp_path / "broken.py"
+  script.write_text(textwrap.dedent("""
+      import functools
+      from absl import app
+      from jaxline_ng import base_config, experiment, platform
+
+      def get_config():
+        config = base_config.get_base_config()
+        config.checkpoint_dir = %r
+        return config
+
+      class Broken(experiment.AbstractExperiment):
+        def __init__(self, mode, init_rng):
+          raise ValueError("no data at /datasets/missing")
+        def step(self, **kwargs):
+          pass
+        def evaluate(self, **kwargs):
+          pass
+
+      if __name__ == "__main__":
+        app.run(functools.partial(platform.main, Broken))
+      """ % str(tmp_path / "run")))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  for mode in ("train", "train_eval_multithreaded"):
+    result = subprocess.run([sys.executable, str(script), f"--config={script}",
+                             f"--jaxline_mode={mode}"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == "ValueError: no data at /datasets/missing"
+
+
+class StateOnSelf(experiment.AbstractExperiment):
+  """Published style: the step keeps its state on `self` and returns nothing to log."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._params = utils.bcast_local_devices(jnp.ones(64))
+    self._update = jax.pmap(lambda p: p + jax.lax.pmean(p, "i") * 1e-6, axis_name="i")
+
+  def step(self, **unused):
+    self._params = self._update(self._params)
+    return {}
+
+  def evaluate(self, **unused):
+    return {"mean": float(utils.get_first(self._params).mean())}
+
+
+def test_a_step_that_returns_nothing_trains_and_evaluates_side_by_side():
+  config = make_config(training_steps=300, save_checkpoint_interval=50,
+                       log_tensors_interval=100)
+  checkpointer = utils.InMemoryCheckpointer(config, "train")
+  train.train_eval_multithreaded(StateOnSelf, config, checkpointer, None)
+  assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest.global_step == 300
+
+
+def test_jaxlines_snapshot_test_layout_is_exact():
+  """jaxline's own check: only what the loops set is in the snapshot."""
+  checkpointer = utils.InMemoryCheckpointer(config_dict.ConfigDict({"max_checkpoints_to_keep": 2}),
+                                            "train")
+  state = checkpointer.get_experiment_state("series")
+  state.global_step = 0
+  state.experiment_module = NoInitRng("train")
+  checkpointer.save("series")
+  nest = copy.deepcopy(utils.GLOBAL_CHECKPOINT_DICT["series"].history[-1].pickle_nest.to_dict())
+  assert sorted(nest) == ["experiment_module", "global_step"]
+  assert sorted(nest["experiment_module"]) == ["count", "w"]
+
+
+class FailsToConstruct(NoInitRng):
+
+  def __init__(self, mode, init_rng):
+    del init_rng
+    super().__init__(mode)
+    raise ValueError("no data at /datasets/missing")
+
+
+def test_a_failing_constructor_leaves_no_framework_thread_running():
+  """A thread still working when the process exits can take it down with
+  SIGABRT (exit 134) instead of the constructor's error."""
+  before = set(threading.enumerate())
+  with pytest.raises(ValueError, match="no data"):
+    train.train(FailsToConstruct, make_config(), ConfigDictCheckpointer(), None)
+  assert set(threading.enumerate()) - before == set()

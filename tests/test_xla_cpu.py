@@ -1,0 +1,49 @@
+"""xla_cpu: XLA's CPU thread pool is sized before JAX starts, with nothing set by the user."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxline_ng import xla_cpu
+
+_THREADS = ("import os, glob, jax, jax.numpy as jnp\n"
+            "jax.pmap(lambda x: jax.lax.psum(x, 'i'), 'i')(jnp.ones(jax.local_device_count()))\n"
+            "names = [open(f).read().strip() for f in glob.glob('/proc/self/task/*/comm')]\n"
+            "print(os.environ.get('PJRT_NPROC'), names.count('tf_XLAEigen'))\n")
+
+
+def run_python(code, **env):
+  clean = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "XLA_FLAGS")}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**clean, "JAX_PLATFORMS": "cpu", **env}, check=True)
+  return out.stdout.split()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_importing_jaxline_ng_gives_xlas_pool_room_for_collectives():
+  flags = "--xla_force_host_platform_device_count=4"
+  expected = str(max(os.cpu_count(), xla_cpu.THREADS_PER_DEVICE * 4))
+  assert run_python("import jaxline_ng.utils\n" + _THREADS, XLA_FLAGS=flags) == \
+      [expected, expected]
+  # Without jaxline_ng, XLA sizes the pool by the CPUs or the devices: too small.
+  assert run_python(_THREADS, XLA_FLAGS=flags) == ["None", str(max(os.cpu_count(), 4))]
+
+
+def test_a_users_pjrt_nproc_is_kept():
+  code = "import os, jaxline_ng; print(os.environ['PJRT_NPROC'])"
+  assert run_python(code, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                    PJRT_NPROC="5") == ["5"]
+
+
+def test_one_device_leaves_the_pool_alone():
+  assert run_python("import os, jaxline_ng; print(os.environ.get('PJRT_NPROC'))") == ["None"]
+
+
+def test_devices_asked_for_in_code_after_import_are_counted_before_the_backend_starts():
+  code = ("import os, jax, jaxline_ng\n"
+          "jax.config.update('jax_num_cpu_devices', 6)\n"
+          "from jaxline_ng import xla_cpu; xla_cpu.reserve_threads()\n"
+          "print(os.environ['PJRT_NPROC'], jax.local_device_count())")
+  assert run_python(code) == [str(max(os.cpu_count(), xla_cpu.THREADS_PER_DEVICE * 6)), "6"]
