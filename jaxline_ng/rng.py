@@ -97,9 +97,14 @@ def replicate_key(key):
   return mesh_lib.replicate(np.asarray(jax.device_get(key)))
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "process"))
-def _split_chain(chain, mode: str, process: int):
-  check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
+# Steps whose keys one dispatch computes. A dispatch costs the training thread
+# far more than the ready arrays it hands out, so the loop pays one per 32
+# steps, not one per step.
+STEPS_PER_DISPATCH = 32
+
+
+def _split_once(chain, mode: str, process: int):
+  """`(step key, next chain)`: jaxline's split, the step key specialised by `mode`."""
   if chain.ndim == 1:  # Mesh mode: one global key; per-device keys are the step's business.
     step_key, next_chain = jax.random.split(chain)
     return _specialize(step_key, _host_part_only(mode), process, 0), next_chain
@@ -108,6 +113,46 @@ def _split_chain(chain, mode: str, process: int):
   step_keys = jax.vmap(lambda key, position: _specialize(key, mode, process, position))(
       children[:, 0], positions)
   return step_keys, children[:, 1]
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "process", "num_steps"))
+def _split_steps(chain, mode: str, process: int, num_steps: int):
+  check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
+
+  def one_step(current, _):
+    step_key, next_chain = _split_once(current, mode, process)
+    return next_chain, (step_key, next_chain)
+
+  _, (step_keys, chains) = jax.lax.scan(one_step, chain, length=num_steps)
+  # One array per step, so handing a step its keys needs no further dispatch.
+  return [step_keys[i] for i in range(num_steps)], [chains[i] for i in range(num_steps)]
+
+
+class StepKeys:
+  """Hands each training step its key and the chain key after it.
+
+  `next(chain)` returns `(step_rng, next_chain)` for the step that starts
+  from `chain` (`state.train_step_rng`): `[local devices, 2]` in pmap mode,
+  one key in mesh mode. The step's key is specialised by `mode`
+  (`config.random_mode_train`; in mesh mode only its host part applies).
+  The keys of `STEPS_PER_DISPATCH` steps come from one dispatch; a chain
+  other than the one handed out last (a restore, or code that sets
+  `state.train_step_rng`) starts a new block from it, so the keys always
+  follow from the chain given.
+  """
+
+  def __init__(self, mode: str):
+    self._mode = mode
+    self._ready: list[tuple[jax.Array, jax.Array]] = []
+    self._handed_out = None
+
+  def next(self, chain):
+    if chain is not self._handed_out or not self._ready:
+      step_keys, chains = _split_steps(chain, mode=self._mode, process=jax.process_index(),
+                                       num_steps=STEPS_PER_DISPATCH)
+      self._ready = list(zip(step_keys, chains))[::-1]
+    step_rng, self._handed_out = self._ready.pop()
+    return step_rng, self._handed_out
 
 
 def _host_part_only(mode: str) -> str:
@@ -122,16 +167,6 @@ def check_mesh_random_mode(mode: str, config_key: str) -> None:
         f"config.{config_key}={mode!r} gives each process its own key, but a mesh-mode "
         "step takes one global key: use same_host_* and fold in jax.process_index() or "
         "jax.lax.axis_index where keys must differ")
-
-
-def split_chain(chain, mode: str):
-  """`(step_rng, next_chain)` for one training step, in one dispatch.
-
-  `chain` is `state.train_step_rng`: `[local devices, 2]` in pmap mode (one row
-  per device), one key in mesh mode. The step's key is specialised by `mode`
-  (`config.random_mode_train`); in mesh mode only its host part applies.
-  """
-  return _split_chain(chain, mode=mode, process=jax.process_index())
 
 
 def place_chain(value):

@@ -15,7 +15,7 @@ def chain_of(seed):
 
 def step_keys(mode, process_index, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: process_index)
-  step_rng, _ = rng.split_chain(chain_of(0), mode)
+  step_rng, _ = rng.StepKeys(mode).next(chain_of(0))
   return np.asarray(step_rng)
 
 
@@ -37,7 +37,7 @@ def test_random_mode_relations(monkeypatch, mode, hosts_differ, devices_differ):
 
 def test_unknown_mode_is_rejected_with_its_name():
   with pytest.raises(ValueError, match="'unique_everything'"):
-    rng.split_chain(chain_of(0), "unique_everything")
+    rng.StepKeys("unique_everything").next(chain_of(0))
   with pytest.raises(ValueError, match="random_mode_eval='unique_everything'"):
     rng.eval_keys(0, "unique_everything")
 
@@ -51,7 +51,7 @@ def test_seed_keys_are_jaxlines():
 
 
 @pytest.mark.parametrize("mode", rng.RANDOM_MODES)
-def test_split_chain_gives_the_keys_of_jaxlines_per_step_pmap(mode):
+def test_step_keys_are_those_of_jaxlines_per_step_pmap(mode):
   """Each step: split the replicated chain, keep [1], specialise [0] in a pmap."""
   host_ids = rng.host_id_devices_for_rng(mode)
 
@@ -61,8 +61,9 @@ def test_split_chain_gives_the_keys_of_jaxlines_per_step_pmap(mode):
     return rng.specialize_rng_host_device(step_key, host_id, "i", mode), next_chain
 
   chain = expected_chain = chain_of(3)
-  for _ in range(3):
-    step_rng, chain = rng.split_chain(chain, mode)
+  keys = rng.StepKeys(mode)
+  for _ in range(rng.STEPS_PER_DISPATCH + 3):  # Across a block boundary.
+    step_rng, chain = keys.next(chain)
     expected_rng, expected_chain = jaxline_step(
         expected_chain, host_ids if host_ids is not None else np.zeros(len(step_rng), np.int32))
     np.testing.assert_array_equal(step_rng, expected_rng)
@@ -71,16 +72,32 @@ def test_split_chain_gives_the_keys_of_jaxlines_per_step_pmap(mode):
 
 def test_resuming_from_a_saved_chain_continues_the_same_keys():
   mode = "unique_host_unique_device"
-  chain, keys, saved = chain_of(1), [], None
-  for step in range(6):
-    step_rng, chain = rng.split_chain(chain, mode)
+  chain, keys, saved, stream = chain_of(1), [], None, rng.StepKeys(mode)
+  for step in range(40):
+    step_rng, chain = stream.next(chain)
     keys.append(np.asarray(step_rng))
     if step == 2:
       saved = np.asarray(chain)  # What a checkpoint after step 3 holds.
-  resumed = rng.place_chain(saved)
-  for step in range(3, 6):
-    step_rng, resumed = rng.split_chain(resumed, mode)
+  resumed, stream = rng.place_chain(saved), rng.StepKeys(mode)
+  for step in range(3, 40):
+    step_rng, resumed = stream.next(resumed)
     np.testing.assert_array_equal(step_rng, keys[step])
+
+
+def test_a_chain_set_from_outside_starts_a_new_block_from_it():
+  stream = rng.StepKeys("same_host_unique_device")
+  first_rng, _ = stream.next(chain_of(5))
+  stream.next(chain_of(6))  # e.g. a restore replaced state.train_step_rng
+  again_rng, _ = stream.next(chain_of(5))
+  np.testing.assert_array_equal(again_rng, first_rng)
+
+
+def test_step_keys_are_ready_arrays_with_one_row_per_device():
+  step_rng, chain = rng.StepKeys("unique_host_unique_device").next(chain_of(2))
+  for array in (step_rng, chain):
+    assert isinstance(array, jax.Array)
+    assert [shard.data.shape for shard in array.addressable_shards] == \
+        [(1, 2)] * jax.local_device_count()
 
 
 def test_a_replicated_chain_resumes_on_another_device_count():
@@ -99,8 +116,9 @@ def test_per_device_chains_refuse_another_device_count_naming_both():
 
 
 def test_step_key_is_not_the_next_chain_key():
-  step_rng, chain = rng.split_chain(chain_of(1), "same_host_same_device")
-  next_rng, _ = rng.split_chain(chain, "same_host_same_device")
+  stream = rng.StepKeys("same_host_same_device")
+  step_rng, chain = stream.next(chain_of(1))
+  next_rng, _ = stream.next(chain)
   assert not np.array_equal(step_rng, chain)
   # What a step derives by splitting its key never becomes a later step's key.
   children = np.asarray(jax.vmap(jax.random.split)(step_rng))
