@@ -7,13 +7,13 @@ VENV_PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= /tmp/jaxline_ng_demo
 
-.PHONY: demo test install clean
+.PHONY: demo test lint platforms install clean
 
 $(VENV_PY):
 	$(PYTHON) -m venv $(VENV)
 	$(VENV_PY) -m pip install --quiet --upgrade pip
 
-$(STAMP): setup.py | $(VENV_PY)
+$(STAMP): pyproject.toml setup.py | $(VENV_PY)
 	$(VENV_PY) -m pip install --quiet -e '.[examples,test]'
 	touch $(STAMP)
 
@@ -21,6 +21,13 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(VENV_PY) -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# Do the dependencies resolve to wheels on Linux x86_64/aarch64 and macOS arm64?
+platforms: $(STAMP)
+	$(VENV_PY) tests/check_platforms.py
 
 # The digits example, trained and evaluated side by side; then where to look.
 demo: $(STAMP)
