@@ -159,10 +159,15 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
       checkpointer.save("latest")
     saved_at[0] = state.global_step
 
-  if save_checkpoints:
+  # As in jaxline: no periodic saves with an interval of 0, and growth ratios
+  # add saves too where the interval counts steps.
+  if save_checkpoints and config.save_checkpoint_interval > 0:
+    checkpoint_type = _interval_type(config, "checkpoint_interval_type")
     actions["checkpoint"] = _SaveAction(
-        save_latest, _interval_type(config, "checkpoint_interval_type"),
-        config.save_checkpoint_interval, run_async=False, **last_acted("checkpoint", now))
+        save_latest, checkpoint_type, config.save_checkpoint_interval, run_async=False,
+        logging_growth_ratios=(config.periodic_action_growth_ratios
+                               if checkpoint_type == "steps" else None),
+        **last_acted("checkpoint", now))
   return actions, save_latest
 
 

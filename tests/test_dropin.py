@@ -258,3 +258,18 @@ def test_a_failing_constructor_leaves_no_framework_thread_running():
   with pytest.raises(ValueError, match="no data"):
     train.train(FailsToConstruct, make_config(), ConfigDictCheckpointer(), None)
   assert set(threading.enumerate()) - before == set()
+
+
+@pytest.mark.parametrize("overrides, saved_steps", [
+    # A steps interval saves at its multiples, plus the final step.
+    ({"save_checkpoint_interval": 4, "training_steps": 10}, [4, 8, 10]),
+    # jaxline gives the checkpointing action the growth ratios too.
+    ({"save_checkpoint_interval": 40, "training_steps": 25,
+      "periodic_action_growth_ratios": (1, 2, 5)}, [1, 2, 5, 10, 20, 25]),
+    # An interval of 0 means no periodic saves, only the final one (jaxline's `> 0`).
+    ({"save_checkpoint_interval": 0, "interval_type": "secs", "training_steps": 6}, [6]),
+])
+def test_periodic_saves_happen_at_jaxlines_steps(overrides, saved_steps):
+  checkpointer = ConfigDictCheckpointer()
+  train.train(NoInitRng, make_config(**overrides), checkpointer, None)
+  assert [saved["global_step"] for saved in checkpointer.saved] == saved_steps
