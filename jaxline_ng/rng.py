@@ -20,6 +20,7 @@ the same, and on another topology each device still gets its own
 deterministic key.
 """
 
+import enum
 import functools
 
 import jax
@@ -29,12 +30,26 @@ import numpy as np
 from jaxline_ng import devices
 from jaxline_ng import mesh as mesh_lib
 
-RANDOM_MODES = (
-    "unique_host_unique_device",
-    "unique_host_same_device",
-    "same_host_unique_device",
-    "same_host_same_device",
-)
+
+
+class DistributedRNGMode(enum.Enum):
+  """The random modes, as jaxline's enum names them."""
+
+  UNIQUE_HOST_UNIQUE_DEVICE = "unique_host_unique_device"
+  UNIQUE_HOST_SAME_DEVICE = "unique_host_same_device"
+  SAME_HOST_UNIQUE_DEVICE = "same_host_unique_device"
+  SAME_HOST_SAME_DEVICE = "same_host_same_device"
+
+  @property
+  def unique_host(self) -> bool:
+    return self.value.startswith("unique_host_")
+
+  @property
+  def unique_device(self) -> bool:
+    return self.value.endswith("_unique_device")
+
+
+RANDOM_MODES = tuple(mode.value for mode in DistributedRNGMode)
 
 
 def check_random_mode(mode: str, config_key: str) -> None:

@@ -16,20 +16,21 @@ from jaxline_ng.checkpointing import (
     get_checkpoint_dir,
 )
 from jaxline_ng.debugging import debugger_fallback, disable_pmap_jit
-from jaxline_ng.devices import bcast_local_devices, get_first, tree_psum
+from jaxline_ng.devices import bcast_local_devices, get_first, maybe_device_get, tree_psum
 from jaxline_ng.experiment import evaluate_should_return_dict, kwargs_only, log_activity
 from jaxline_ng.multihost import rendezvous
 from jaxline_ng.periodic import PeriodicAction, make_async
 from jaxline_ng.prefetch import double_buffer, double_buffer_on_gpu, py_prefetch
-from jaxline_ng.rng import host_id_devices_for_rng, specialize_rng_host_device
+from jaxline_ng.rng import DistributedRNGMode, host_id_devices_for_rng, specialize_rng_host_device
 from jaxline_ng.writers import Writer
 
 GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
 
 __all__ = [
-    "CheckpointNT", "Checkpointer", "GLOBAL_CHECKPOINT_DICT", "InMemoryCheckpointer",
-    "PeriodicAction", "SnapshotNT", "Writer", "bcast_local_devices", "debugger_fallback",
-    "disable_pmap_jit", "double_buffer", "double_buffer_on_gpu", "evaluate_should_return_dict",
-    "get_checkpoint_dir", "get_first", "host_id_devices_for_rng", "kwargs_only", "log_activity",
-    "make_async", "py_prefetch", "rendezvous", "specialize_rng_host_device", "tree_psum",
+    "CheckpointNT", "Checkpointer", "DistributedRNGMode", "GLOBAL_CHECKPOINT_DICT",
+    "InMemoryCheckpointer", "PeriodicAction", "SnapshotNT", "Writer", "bcast_local_devices",
+    "debugger_fallback", "disable_pmap_jit", "double_buffer", "double_buffer_on_gpu",
+    "evaluate_should_return_dict", "get_checkpoint_dir", "get_first", "host_id_devices_for_rng",
+    "kwargs_only", "log_activity", "make_async", "maybe_device_get", "py_prefetch", "rendezvous",
+    "specialize_rng_host_device", "tree_psum",
 ]

@@ -12,7 +12,8 @@ JAXLINE_UTILS_NAMES = (
     "make_async", "specialize_rng_host_device", "host_id_devices_for_rng", "rendezvous",
     "kwargs_only", "log_activity", "PeriodicAction", "InMemoryCheckpointer", "Writer",
     "Checkpointer", "disable_pmap_jit", "debugger_fallback", "evaluate_should_return_dict",
-    "tree_psum", "GLOBAL_CHECKPOINT_DICT", "SnapshotNT", "CheckpointNT", "get_checkpoint_dir")
+    "tree_psum", "GLOBAL_CHECKPOINT_DICT", "SnapshotNT", "CheckpointNT", "get_checkpoint_dir",
+    "DistributedRNGMode", "maybe_device_get")
 
 
 @pytest.mark.parametrize("name", JAXLINE_UTILS_NAMES)
@@ -55,3 +56,11 @@ def test_kwargs_only_rejects_positional_calls():
   assert f(a=1) == 1
   with pytest.raises(TypeError):
     f(1)  # pylint: disable=too-many-function-args
+
+
+def test_distributed_rng_mode_is_jaxlines_enum():
+  mode = utils.DistributedRNGMode("unique_host_same_device")
+  assert mode.unique_host and not mode.unique_device
+  assert utils.DistributedRNGMode.SAME_HOST_UNIQUE_DEVICE.unique_device
+  with pytest.raises(ValueError):
+    utils.DistributedRNGMode("unique_everything")
