@@ -61,63 +61,41 @@ def _drop_leading_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
-def _local_copies(leaf: jax.Array) -> int:
-  """How many of this process's devices hold part of `leaf`.
+def _first_shard(leaf: Any) -> Any:
+  """The first local device's buffer of a multi-device array; other leaves as they are.
 
-  Read from the sharding, which arrays share: `addressable_shards` would
-  build a shard object per device for every new array (~40 us).
+  For a replicated array that is the whole value, for a per-device (pmap)
+  array the first device's row, as a `[1, ...]` array. The number of
+  devices is read from the sharding, which arrays share, not from
+  `addressable_shards`, which builds an object per device for every array.
   """
-  return len(leaf.sharding.addressable_devices)
-
-
-def _first_shard(leaf):
-  if isinstance(leaf, jax.Array) and _local_copies(leaf) > 1:
+  if isinstance(leaf, jax.Array) and len(leaf.sharding.addressable_devices) > 1:
     return leaf.addressable_data(0)
   return leaf
 
 
-def _is_per_device(leaf: jax.Array) -> bool:
-  """Whether axis 0 of `leaf` is one row per addressable device (pmap's layout)."""
-  return _per_device_layout(leaf.sharding, leaf.shape)
+def _holds_one_copy(leaf: jax.Array) -> bool:
+  """Whether the first shard of a multi-device `leaf` is one whole copy: the
+  value of a replicated array, or the first row of a per-device one."""
+  if leaf.is_fully_replicated:
+    return True
+  devices = len(leaf.sharding.addressable_devices)
+  return bool(leaf.shape) and leaf.shape[0] == devices and \
+      leaf.sharding.shard_shape(leaf.shape)[0] == 1
 
 
-@functools.lru_cache(maxsize=4096)
-def _per_device_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
-  # Cached: a save asks it of every leaf of the model, and a model's leaves
-  # share a few shardings and shapes.
-  return bool(shape) and shape[0] == len(sharding.addressable_devices) and \
-      sharding.shard_shape(shape)[0] == 1
-
-
-def _first_shard_holds_one_copy(leaf) -> bool:
-  """Whether `leaf` is a multi-device array whose first shard is one whole copy:
-  replicated (the value) or per-device (the first device's row)."""
-  return isinstance(leaf, jax.Array) and _local_copies(leaf) > 1 and (
-      leaf.is_fully_replicated or _is_per_device(leaf))
-
-
-def _first_shard_if_one_copy(leaf):
-  return leaf.addressable_data(0) if _first_shard_holds_one_copy(leaf) else leaf
-
-
-def first_shards(tree: Any) -> Any:
-  """`tree` with each multi-device array read on the first local device where that suffices.
-
-  A replicated array becomes its first shard (the whole value), a per-device
-  (pmap) array its first row, kept as a `[1, ...]` array; other leaves are
-  unchanged. Host code that reads one copy of step outputs (logging, the
-  non-finite guard) then transfers one buffer per array instead of one per
-  device. No dispatch, no copy: the shards are the inputs' own buffers.
+def first_copy_to_host(tree: Any) -> Any:
+  """`tree` on the host, each replicated or per-device array read from the
+  first local device only (one transfer per array, no device computation,
+  so it is safe on any thread). A per-device array keeps its leading axis,
+  of size 1; other leaves are copied whole.
   """
-  return jax.tree.map(_first_shard_if_one_copy, tree)
+  def first_copy(leaf):
+    if isinstance(leaf, jax.Array) and _holds_one_copy(leaf):
+      return _first_shard(leaf)
+    return leaf
 
-
-def first_shards_to_host(tree: Any) -> Any:
-  """`jax.device_get(first_shards(tree))`: one transfer per array, no dispatch.
-
-  It runs no device computation, so it is safe on any thread.
-  """
-  return jax.device_get(first_shards(tree))
+  return jax.device_get(jax.tree.map(first_copy, tree))
 
 
 def get_first(tree: Any) -> Any:

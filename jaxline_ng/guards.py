@@ -178,4 +178,4 @@ class SealedCheck:
 def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:
   """Host values of one step's scalars: the first device's copy, or every device's."""
   scalars = dict(scalars)
-  return jax.device_get(scalars) if every_device else devices.first_shards_to_host(scalars)
+  return jax.device_get(scalars) if every_device else devices.first_copy_to_host(scalars)

@@ -46,7 +46,7 @@ def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   """
   values = dict(scalars)
   if any(isinstance(value, jax.Array) for value in values.values()):
-    values = devices.first_shards_to_host(values)
+    values = devices.first_copy_to_host(values)
   result = {}
   for name, value in values.items():
     array = np.asarray(value)
