@@ -151,6 +151,22 @@ def place_chain(value):
   return mesh_lib.replicate(value)
 
 
+@jax.jit
+def _fold_in_step(chain, step):
+  fold = jax.vmap(jax.random.fold_in, in_axes=(0, None)) if chain.ndim == 2 else jax.random.fold_in
+  return fold(chain, step)
+
+
+def fold_in_step(chain, global_step: int):
+  """`chain` (this run's starting key chain) with `global_step` folded in, placed alike.
+
+  What a run resumed on another topology (device or process count, placement)
+  continues with: the saved chain has another shape there, so its exact
+  sequence cannot continue, but this one is deterministic in the seed and step.
+  """
+  return place_chain(_fold_in_step(chain, np.uint32(global_step)))
+
+
 def seed_key(random_seed: int):
   """The raw key experiments are initialised with (`init_rng`)."""
   return jax.random.PRNGKey(random_seed)

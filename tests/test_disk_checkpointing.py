@@ -114,7 +114,7 @@ def test_unstorable_value_fails_at_first_save_naming_it(tmp_path):
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
   run(disk_config(tmp_path, 6))
   newest = os.path.join(tmp_path, "checkpoints", "latest", "6")
-  for dirpath, _, files in os.walk(os.path.join(newest, "arrays")):
+  for dirpath, _, files in os.walk(os.path.join(newest, "state")):
     for name in files:
       with open(os.path.join(dirpath, name), "r+b") as f:
         f.truncate(3)
