@@ -634,14 +634,20 @@ class DiskCheckpointer:
     live_chain = state.train_step_rng
     if live_chain is None or saved_chain is None:
       return saved_chain
-    same = (topology == _topology() and np.shape(saved_chain) == tuple(live_chain.shape))
-    if same:
+    now = _topology()
+    # A mesh-mode run has one global key, whatever the mesh: its chain goes on.
+    # Per-device (pmap) keys are specialised per device and process.
+    continues = (topology["placement"] == now["placement"]
+                 and np.shape(saved_chain) == tuple(live_chain.shape)
+                 and (now["placement"] == "mesh"
+                      or topology["process_count"] == now["process_count"]))
+    if continues:
       return saved_chain
     logging.warning(
         "[jaxline_ng] The checkpoint was saved by %s, this run is %s: the training key chain "
         "is re-derived from the seed and step %d. Resuming is deterministic but reproduces "
         "an uninterrupted run bit for bit only on the topology that saved it.",
-        _describe_topology(topology), _describe_topology(_topology()), step)
+        _describe_topology(topology), _describe_topology(now), step)
     return rng.fold_in_step(live_chain, step)
 
   def _move_aside(self, paths: list[str], ckpt_series: str) -> None:
