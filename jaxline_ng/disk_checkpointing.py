@@ -353,10 +353,11 @@ def _load(path: str, live_nest: dict[str, Any]) -> tuple[dict[str, Any], dict[st
       tree_path = leaf["array"]
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
-      if live_leaf is not None and _is_array(live_leaf) and tuple(np.shape(live_leaf)) != shape:
+      if isinstance(live_leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)) and \
+          tuple(live_leaf.shape) != shape:
         raise UnusableCheckpoint(
             f"{name} {'/'.join(tree_path)} has shape {shape} but the experiment's is "
-            f"{tuple(np.shape(live_leaf))} (saved by {_describe_topology(meta['topology'])}, "
+            f"{tuple(live_leaf.shape)} (saved by {_describe_topology(meta['topology'])}, "
             f"now {_describe_topology(_topology())})")
       sharding = getattr(live_leaf, "sharding", None)
       if isinstance(live_leaf, jax.Array) and mesh_lib.active_mesh() is not None and \
@@ -450,6 +451,27 @@ def read(checkpoint_dir: str, series: str = "latest",
 def unusable_dir(series_dir: str) -> str:
   """Where unusable checkpoints of a series are moved: beside it, never deleted."""
   return series_dir.rstrip(os.sep) + ".unusable"
+
+
+def _live_layout(module) -> dict[str, Any]:
+  """What `module.snapshot_state()` would hold, without copying: global arrays
+  as they are (for their shardings), one pmap copy as its shape and dtype."""
+  # Deferred: experiment imports this module's users, not the other way round.
+  from jaxline_ng import experiment as experiment_lib
+  if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
+    return dict(module.snapshot_state())
+  attrs, non_broadcast_attrs = experiment_lib.checkpoint_attrs(module)
+
+  def one_copy(leaf):
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+      return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+    return leaf[0]
+
+  pmap_mode = mesh_lib.active_mesh() is None
+  layout = {name: jax.tree.map(one_copy, getattr(module, attr)) if pmap_mode
+            else getattr(module, attr) for attr, name in attrs.items()}
+  layout.update({name: getattr(module, attr) for attr, name in non_broadcast_attrs.items()})
+  return layout
 
 
 class DiskCheckpointer:
@@ -601,7 +623,7 @@ class DiskCheckpointer:
     fresh_run = not _steps(os.path.join(self._read_root, ckpt_series))
     live = state.snapshotted_items()
     if state.experiment_module is not None:
-      live["experiment_module"] = dict(state.experiment_module.snapshot_state())
+      live["experiment_module"] = _live_layout(state.experiment_module)
     failures = []
     for path in self._candidates(ckpt_series):
       try:
