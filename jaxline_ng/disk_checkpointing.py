@@ -162,7 +162,7 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
   the first value that is neither an array nor a plain Python value.
   """
   tree: dict[str, Any] = {}
-  entries, arrays = {}, []
+  entries, arrays, names = {}, [], set()
   for name, value in _named_entries(nest).items():
     leaves = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
@@ -178,6 +178,10 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
           raise CheckpointFormatError(f"cannot checkpoint {_entry_name(name, path)}: its "
                                       f"name {'/'.join(tree_path)} is taken by another value")
         node[tree_path[-1]] = leaf
+        if "/".join(tree_path) in names:
+          raise CheckpointFormatError(f"cannot checkpoint {_entry_name(name, path)}: its "
+                                      f"name {'/'.join(tree_path)} is taken by another array")
+        names.add("/".join(tree_path))
         arrays.append((tree_path, leaf))
         leaves.append({"array": tree_path})
       elif isinstance(leaf, _PLAIN_VALUES):
@@ -310,13 +314,8 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str) -> Any
       f"{None if live_treedef is None else live_treedef.num_leaves}")
 
 
-def _load(path: str, live_nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """Reads and checks a step directory: `(snapshot, its topology)`.
-
-  Arrays are restored onto the shardings of the live arrays they replace
-  where those span several devices of a mesh, else as host arrays; entries
-  of the experiment are read only when `live_nest` has an experiment.
-  """
+def _read_arrays(path: str, live_nest: dict[str, Any]):
+  """`_load` up to the checksums: what every process does on its own."""
   meta = _read_meta(path)
   live = _named_entries(live_nest)
   wants_module = "experiment_module" in live_nest
@@ -390,7 +389,35 @@ def _load(path: str, live_nest: dict[str, Any]) -> tuple[dict[str, Any], dict[st
       node = node[part]
     return node
 
-  values = [at(tree_path) for tree_path, *_ in expected]
+  return meta, entries, live, wanted, expected, at
+
+
+def _load(path: str, live_nest: dict[str, Any],
+          agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Reads and checks a step directory: `(snapshot, its topology)`.
+
+  Arrays are restored onto the shardings of the live arrays they replace
+  where those span several devices of a mesh, else as host arrays; entries
+  of the experiment are read only when `live_nest` has an experiment.
+  `agree(read_ok)` tells whether every process read its part: verifying the
+  checksums of sharded arrays is a collective, which all processes must
+  enter or none.
+  """
+  error = None
+  try:
+    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest)
+    values = [at(tree_path) for tree_path, *_ in expected]
+  except CheckpointRefused:
+    raise
+  except UnusableCheckpoint as e:
+    error = e
+  except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+    error = UnusableCheckpoint(f"its metadata is malformed ({type(e).__name__}: {e})")
+  everywhere = agree(error is None)
+  if error is not None:
+    raise error
+  if not everywhere:
+    raise UnusableCheckpoint("another process could not read its part")
   for (tree_path, shape, dtype, _), value in zip(expected, values):
     if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
       raise UnusableCheckpoint(f"array {'/'.join(tree_path)} is {value.dtype}{list(value.shape)} "
@@ -627,8 +654,10 @@ class DiskCheckpointer:
     failures = []
     for path in self._candidates(ckpt_series):
       try:
-        nest, topology = _load(path, live)
-      except UnusableCheckpoint as e:
+        nest, topology = _load(path, live, agree=self._agree)
+      except CheckpointRefused:
+        raise
+      except (UnusableCheckpoint, KeyError, TypeError, IndexError, AttributeError) as e:
         logging.warning("[jaxline_ng] Checkpoint %s could not be loaded: %s; trying the "
                         "previous one.", path, e)
         failures.append((path, e))
@@ -649,6 +678,12 @@ class DiskCheckpointer:
     raise CheckpointRefused(
         f"no usable checkpoint for series {ckpt_series!r}: {failures[0][0]}: {failures[0][1]}"
         + (f" (and {len(failures) - 1} older ones)" if len(failures) > 1 else ""))
+
+  def _agree(self, ok: bool) -> bool:
+    """Whether every process that restores together read its part of a checkpoint."""
+    if not self.every_process_saves:
+      return ok
+    return int(multihost.all_reduce_sum(np.int32(not ok))) == 0
 
   @staticmethod
   def _chain_for_this_topology(state, saved_chain, topology: dict[str, Any], step: int):
