@@ -21,6 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(ROOT, "tests", "experiments", "toy.py")
+DIM = 100_000
 
 
 def newest_loadable_step(checkpoint_dir: str) -> int:
@@ -31,6 +32,7 @@ def newest_loadable_step(checkpoint_dir: str) -> int:
   config = toy.get_config()
   config.checkpointer = "disk"
   config.checkpoint_dir = checkpoint_dir
+  config.experiment_kwargs.config.dim = DIM  # As the killed runs had it: restore checks shapes.
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
   state = checkpointer.get_experiment_state("latest")
   state.experiment_module = toy.Experiment("train", None, **config.experiment_kwargs)
@@ -50,7 +52,7 @@ def main() -> int:
   command = [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={workdir}",
              "--config.checkpointer=disk", "--config.training_steps=100000000",
              "--config.save_checkpoint_interval=1", "--config.log_train_data_interval=1000000000",
-             "--config.experiment_kwargs.config.dim=100000"]
+             f"--config.experiment_kwargs.config.dim={DIM}"]
   series = os.path.join(workdir, "checkpoints", "latest")
   loaded = 0
   try:

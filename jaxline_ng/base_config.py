@@ -49,6 +49,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.best_checkpoint_all_hosts = False
   # A checkpoint directory to start a fresh run from ("" for none).
   config.restore_path = ""
+  # JAX's persistent compilation cache, shared by the train and eval
+  # processes of a run: None means <checkpoint_dir>/compilation_cache, ""
+  # turns it off.
+  config.compilation_cache_dir = config_dict.placeholder(str)
 
   # Evaluation.
   config.eval_initial_weights = False
@@ -162,6 +166,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.restore_path and config.checkpointer != "disk":
     raise ConfigError(
         f"config.restore_path={config.restore_path!r} needs config.checkpointer='disk'")
+
+  cache_dir = config.compilation_cache_dir
+  if cache_dir is not None and not isinstance(cache_dir, str):
+    raise ConfigError(f"config.compilation_cache_dir={cache_dir!r} must be a directory, \"\" "
+                      "(off) or None (<checkpoint_dir>/compilation_cache)")
 
   if config.max_checkpoints_to_keep < 1:
     raise ConfigError(

@@ -1,41 +1,62 @@
-"""Durable checkpoints on disk, with orbax-checkpoint.
+"""Durable checkpoints on disk, as native orbax checkpoints.
 
 Select with `config.checkpointer = "disk"`. Each series (`latest`, `best`)
 lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
-`max_checkpoints_to_keep` kept. A checkpoint holds:
+`max_checkpoints_to_keep` kept. A step directory holds two orbax items:
 
-- `arrays`: every array of the snapshot, written by orbax (tensorstore), and
-- `meta`: JSON with the snapshot's plain Python values (ints, floats, bools,
-  strings) and, for each entry, the list/dict/tuple skeleton it was made of.
+- `state`: a standard orbax PyTree of every array of the snapshot, nested by
+  name: `experiment_module/params/<haiku module>/w`, `train_step_rng`, ...
+  (a NamedTuple's fields by name, a tuple's or list's items by index). It
+  holds one copy of pmap-replicated state, without a device axis, and
+  reads with orbax alone: `ocp.StandardCheckpointer().restore(<step>/state)`.
+- `meta`: JSON with the snapshot's plain Python values, the list/dict/tuple
+  skeleton each entry was made of, the topology that wrote it, a checksum
+  of every array (`fingerprint`) and a digest of the JSON itself.
 
-Saving copies the state's arrays on device on the calling thread (fresh
-buffers: donation and the steps dispatched next cannot change them) and
-checks every value can be stored; copying to host memory and writing happen
-on a background thread while training continues. The next save, the final
-save and `wait_for_checkpointing_to_finish` wait for it. Orbax writes into a
+Saving takes fresh on-device copies of the state on the calling thread (so
+donation and later steps cannot change them) and dispatches each array's
+checksum there; on a background thread the non-finite guard's check runs
+(it may veto the save), then orbax writes. Arrays go to orbax as they are:
+in mesh mode every process writes the shards it holds. Orbax writes into a
 temporary directory and renames it when complete, so a process killed at any
-moment leaves only complete step directories (partial ones are removed when
-the next run starts).
+moment leaves only complete step directories.
 
-Restoring executes nothing from the checkpoint (no pickle): arrays come back
-through orbax into the structure the experiment already has (NamedTuples,
-optax states, haiku dicts), and plain Python values from JSON. A newest
-checkpoint that fails to load is reported and the one before it is used.
+Restoring executes nothing from the checkpoint (no pickle). Arrays are read
+straight onto the shardings the live experiment has (orbax reshards onto
+another mesh) or, in pmap mode, as one host copy replicated onto however many
+devices this process has. A checkpoint whose checksums or digest do not
+match, that does not parse, or whose values do not fit the experiment is
+reported and the one before it used; the training job then moves the bad
+one aside (kept, under `<series>.unusable/`) so later saves go past its step.
 """
 
+import hashlib
+import json
 import logging as python_logging
 import os
 import threading
+import time
+import concurrent.futures
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from jaxline_ng import base_config
 from jaxline_ng import checkpointing
+from jaxline_ng import devices
+from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import multihost
 
+FORMAT = 2
+_STATE_ITEM, _META_ITEM = "state", "meta"
+_META_KEYS = frozenset(("format", "step", "topology", "entries", "arrays", "digest"))
+# Attributes the loops keep on an ExperimentState besides the experiment's own.
+_STATE_ATTRS = frozenset(("global_step", "train_step_rng", "periodic_action_times", "run_config",
+                          "best_eval_metric_value"))
 _PLAIN_VALUES = (bool, int, float, str)
 
 
@@ -52,8 +73,24 @@ class CheckpointFormatError(TypeError):
   """A snapshot value that cannot be stored without pickle; names the entry."""
 
 
+class UnusableCheckpoint(ValueError):
+  """A checkpoint that is damaged or does not fit the experiment; names what."""
+
+
+class CheckpointRefused(base_config.ConfigError):
+  """No checkpoint of a series can be resumed from; the message says why."""
+
+
 def _entry_name(top_key: str, path) -> str:
   return top_key + jax.tree_util.keystr(path)
+
+
+def _key_name(key) -> str:
+  """One level of a key path as a name in the orbax tree."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
 
 
 def _skeleton(value: Any) -> Any:
@@ -73,7 +110,7 @@ def _skeleton(value: Any) -> Any:
       return {"dict": {k: describe(node[k]) for k in sorted(node)}}
     if type(node) in (list, tuple):
       return {type(node).__name__: [describe(v) for v in node]}
-    if isinstance(node, (np.ndarray, np.generic, *_PLAIN_VALUES)):
+    if isinstance(node, (jax.Array, np.ndarray, np.generic, *_PLAIN_VALUES)):
       return {"leaf": next(counter)}
     raise TypeError
 
@@ -112,69 +149,129 @@ def _unstorable(name: str, path, leaf: Any) -> CheckpointFormatError:
       "neither an array nor a plain Python value (int, float, bool, str)")
 
 
-def check_storable(nest: dict[str, Any]) -> None:
-  """Raises CheckpointFormatError naming the first value `encode` could not store.
+def _is_array(leaf: Any) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
-  Cheap (no copies), so a save can fail on the caller's thread, at once.
+
+def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
+  """Splits a snapshot into the orbax tree of its arrays and JSON entries.
+
+  Returns `(tree, entries, arrays)`: `arrays` lists `(tree path, array)` in
+  the order the entries reference them. Raises CheckpointFormatError naming
+  the first value that is neither an array nor a plain Python value.
   """
+  tree: dict[str, Any] = {}
+  entries, arrays, names = {}, [], set()
   for name, value in _named_entries(nest).items():
-    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-      if not isinstance(leaf, (jax.Array, np.ndarray, np.generic,
-                               *_PLAIN_VALUES)):
-        raise _unstorable(name, path, leaf)
-
-
-def encode(nest: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-  """Splits a host snapshot into orbax arrays and JSON metadata.
-
-  Raises CheckpointFormatError naming the first value that is neither an
-  array nor a plain Python value.
-  """
-  arrays, entries = {}, {}
-  for name, value in _named_entries(nest).items():
-    leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(value)
     leaves = []
-    for path, leaf in leaves_with_paths:
-      if isinstance(leaf, (np.ndarray, np.generic)):
-        key = str(len(arrays))
-        arrays[key] = np.asarray(leaf)
-        leaves.append({"array": key})
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+      if _is_array(leaf):
+        tree_path = [*name.split("/"), *(_key_name(key) for key in path)]
+        node = tree
+        for part in tree_path[:-1]:
+          node = node.setdefault(part, {})
+          if not isinstance(node, dict):
+            raise CheckpointFormatError(f"cannot checkpoint {_entry_name(name, path)}: its "
+                                        f"name {'/'.join(tree_path)} is taken by another array")
+        if tree_path[-1] in node:
+          raise CheckpointFormatError(f"cannot checkpoint {_entry_name(name, path)}: its "
+                                      f"name {'/'.join(tree_path)} is taken by another value")
+        node[tree_path[-1]] = leaf
+        if "/".join(tree_path) in names:
+          raise CheckpointFormatError(f"cannot checkpoint {_entry_name(name, path)}: its "
+                                      f"name {'/'.join(tree_path)} is taken by another array")
+        names.add("/".join(tree_path))
+        arrays.append((tree_path, leaf))
+        leaves.append({"array": tree_path})
       elif isinstance(leaf, _PLAIN_VALUES):
         leaves.append({"value": leaf})
       else:
         raise _unstorable(name, path, leaf)
     entries[name] = {"leaves": leaves, "skeleton": _skeleton(value)}
-  return arrays, {"format": 1, "entries": entries}
+  return tree, entries, arrays
 
 
-def decode(arrays: dict[str, np.ndarray], meta: dict[str, Any],
-           live_nest: dict[str, Any]) -> dict[str, Any]:
-  """Rebuilds a snapshot, in the structure of `live_nest` where it has one."""
-  live = _named_entries(live_nest)
-  nest: dict[str, Any] = {}
-  for name, entry in meta["entries"].items():
-    if name.startswith(_MODULE_PREFIX) and "experiment_module" not in live_nest:
-      continue  # The caller restores only the run's own values (e.g. the best metric).
-    leaves = [arrays[leaf["array"]] if "array" in leaf else leaf["value"]
-              for leaf in entry["leaves"]]
-    live_treedef = jax.tree.structure(live[name]) if name in live else None
-    if entry["skeleton"] is not None:
-      value = _rebuild(entry["skeleton"], leaves)
-      # Same leaves, other node types (a NamedTuple saved as a tuple): take the live ones.
-      if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
-          live_treedef != jax.tree.structure(value):
-        value = jax.tree.unflatten(live_treedef, leaves)
-    elif live_treedef is not None and live_treedef.num_leaves == len(leaves):
-      value = jax.tree.unflatten(live_treedef, leaves)
-    else:
-      raise CheckpointFormatError(
-          f"checkpoint entry {name} has {len(leaves)} leaves but the experiment's "
-          f"has {None if live_treedef is None else live_treedef.num_leaves}")
-    if name.startswith(_MODULE_PREFIX):
-      nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value
-    else:
-      nest[name] = value
-  return nest
+def _words(x):
+  """`x`'s bits as uint32 words (elementwise, plus a trailing axis for 8-byte types)."""
+  if jnp.iscomplexobj(x):
+    return _words(jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1))
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  carrier = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+  bits = x if x.dtype == carrier else jax.lax.bitcast_convert_type(x, carrier)
+  return bits.astype(jnp.uint32)
+
+
+@jax.jit
+def _fingerprints(arrays):
+  """Two position-weighted sums of each array's bits, mod 2**32: a checksum of
+  the global value that does not depend on how it is sharded (integer sums
+  reduce in any order), computed where the array lives, without a gather."""
+  results = []
+  for x in arrays:
+    words = _words(x)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    for axis, size in enumerate(words.shape):
+      index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+    odd = index * jnp.uint32(2) + jnp.uint32(1)
+    mixed = words ^ (words >> jnp.uint32(15))
+    results.append(jnp.stack([
+        jnp.sum(words * (odd * jnp.uint32(0x9E3779B1)), dtype=jnp.uint32),
+        jnp.sum(mixed * (odd * jnp.uint32(0x85EBCA77)), dtype=jnp.uint32)]))
+  return results
+
+
+def dispatch_fingerprints(arrays: list) -> list:
+  """`_fingerprints` of arrays wherever they are: one dispatch per device set.
+
+  Host arrays are checksummed on the default device.
+  """
+  results: list = [None] * len(arrays)
+  groups: dict[Any, list[int]] = {}
+  for i, x in enumerate(arrays):
+    key = frozenset(x.sharding.device_set) if isinstance(x, jax.Array) else None
+    groups.setdefault(key, []).append(i)
+  for indices in groups.values():
+    for i, result in zip(indices, _fingerprints([arrays[i] for i in indices])):
+      results[i] = result
+  return results
+
+
+def _host_fingerprints(fingerprints: list) -> list[list[int]]:
+  return [[int(v) for v in np.asarray(h)] for h in devices.first_copy_to_host(fingerprints)]
+
+
+def _digest(meta: dict[str, Any]) -> str:
+  body = {k: v for k, v in meta.items() if k != "digest"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _topology() -> dict[str, Any]:
+  mesh = mesh_lib.active_mesh()
+  return {"placement": "pmap" if mesh is None else "mesh",
+          "process_count": jax.process_count(),
+          "local_device_count": jax.local_device_count(),
+          "mesh": None if mesh is None else dict(mesh.shape)}
+
+
+def _warn_if_another_topology(topology: dict[str, Any], step: int) -> None:
+  """The key chain continues on any topology (`rng.place_chain`), but each
+  device's step keys then differ from the saved run's: say so."""
+  now = _topology()
+  if any(topology.get(key) != value for key, value in now.items()):
+    logging.warning(
+        "[jaxline_ng] The checkpoint was saved by %s, this run is %s: training continues from "
+        "step %d with the same key chain, but each device's step keys differ from the saved "
+        "run's; a resume reproduces an uninterrupted run bit for bit only on the topology that "
+        "saved it.", _describe_topology(topology), _describe_topology(now), step)
+
+
+def _describe_topology(topology: dict[str, Any]) -> str:
+  text = (f"{topology['placement']} on {topology['process_count']} process(es) x "
+          f"{topology['local_device_count']} device(s)")
+  if topology.get("mesh"):
+    text += " mesh " + ",".join(f"{k}:{v}" for k, v in topology["mesh"].items())
+  return text
 
 
 def _steps(series_dir: str) -> list[int]:
@@ -184,58 +281,264 @@ def _steps(series_dir: str) -> list[int]:
   return sorted(int(name) for name in os.listdir(series_dir) if name.isdigit())
 
 
-def _restore_args() -> ocp.args.Composite:
-  return ocp.args.Composite(arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore())
+def _read_meta(path: str) -> dict[str, Any]:
+  """The checked JSON of a step directory; raises UnusableCheckpoint (or
+  CheckpointRefused for another format) saying what is wrong."""
+  if os.path.isdir(os.path.join(path, "arrays")) and not os.path.isdir(
+      os.path.join(path, _STATE_ITEM)):
+    raise CheckpointRefused(
+        f"checkpoint {path} is in jaxline_ng's format 1 (items arrays/ and meta/, arrays "
+        f"numbered); this version reads format {FORMAT} (a named orbax tree in state/). Resume "
+        "it with the jaxline_ng that wrote it, or start a fresh run from its weights")
+  try:
+    meta = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+        os.path.abspath(path), args=ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()})
+    )[_META_ITEM]
+  except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
+    raise UnusableCheckpoint(f"its metadata does not load ({type(e).__name__}: {e})") from None
+  if not isinstance(meta, dict) or set(meta) != _META_KEYS:
+    keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+    raise UnusableCheckpoint(f"its metadata has the entries {keys}, expected "
+                             f"{sorted(_META_KEYS)}")
+  if meta["format"] != FORMAT:
+    raise CheckpointRefused(f"checkpoint {path} has format {meta['format']!r}; this version "
+                            f"reads format {FORMAT}")
+  if meta["digest"] != _digest(meta):
+    raise UnusableCheckpoint("its metadata does not match the digest written with it "
+                             "(changed or damaged after saving)")
+  return meta
+
+
+def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str) -> Any:
+  live_treedef = None if live is None else jax.tree.structure(live)
+  if entry["skeleton"] is not None:
+    value = _rebuild(entry["skeleton"], leaves)
+    # Same leaves, other node types (a NamedTuple saved as a tuple): take the live ones.
+    if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
+        live_treedef != jax.tree.structure(value):
+      value = jax.tree.unflatten(live_treedef, leaves)
+    return value
+  if live_treedef is not None and live_treedef.num_leaves == len(leaves):
+    return jax.tree.unflatten(live_treedef, leaves)
+  raise UnusableCheckpoint(
+      f"entry {name} has {len(leaves)} values but the experiment's has "
+      f"{None if live_treedef is None else live_treedef.num_leaves}")
+
+
+def _read_arrays(path: str, live_nest: dict[str, Any]):
+  """`_load` up to the checksums: what every process does on its own."""
+  meta = _read_meta(path)
+  live = _named_entries(live_nest)
+  wants_module = "experiment_module" in live_nest
+  entries = meta["entries"]
+  for name in entries:
+    if name.startswith(_MODULE_PREFIX):
+      if wants_module and name not in live:
+        raise UnusableCheckpoint(f"it holds experiment_module/{name[len(_MODULE_PREFIX):]}, "
+                                 "which the experiment does not checkpoint")
+    elif name not in _STATE_ATTRS and name not in live:
+      raise UnusableCheckpoint(f"it holds an unexpected entry {name!r}")
+  if wants_module:
+    missing = sorted(name for name in live if name.startswith(_MODULE_PREFIX)
+                     and name not in entries)
+    if missing:
+      raise UnusableCheckpoint(f"it lacks {', '.join(missing)}, which the experiment checkpoints")
+
+  def wanted(name):
+    return wants_module or not name.startswith(_MODULE_PREFIX)
+
+  # The orbax tree to restore: one target per array of the entries wanted.
+  targets: dict[str, Any] = {}
+  restore_args: dict[str, Any] = {}
+  expected = []  # (tree path, saved description)
+  for name, entry in entries.items():
+    if not wanted(name):
+      continue
+    live_leaves = jax.tree.leaves(live.get(name))
+    if len(live_leaves) != len(entry["leaves"]) or name in ("train_step_rng",):
+      live_leaves = [None] * len(entry["leaves"])
+    for leaf, live_leaf in zip(entry["leaves"], live_leaves):
+      if "array" not in leaf:
+        continue
+      tree_path = leaf["array"]
+      saved = meta["arrays"]["/".join(tree_path)]
+      shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
+      if isinstance(live_leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)) and \
+          tuple(live_leaf.shape) != shape:
+        raise UnusableCheckpoint(
+            f"{name} {'/'.join(tree_path)} has shape {shape} but the experiment's is "
+            f"{tuple(live_leaf.shape)} (saved by {_describe_topology(meta['topology'])}, "
+            f"now {_describe_topology(_topology())})")
+      sharding = getattr(live_leaf, "sharding", None)
+      if isinstance(live_leaf, jax.Array) and mesh_lib.active_mesh() is not None and \
+          len(sharding.device_set) > 1:
+        arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=live_leaf.dtype)
+        target = jax.ShapeDtypeStruct(shape, live_leaf.dtype, sharding=sharding)
+      else:
+        arg = ocp.RestoreArgs(restore_type=np.ndarray)
+        target = np.zeros((), dtype)  # Only its place in the tree matters.
+      node_t, node_a = targets, restore_args
+      for part in tree_path[:-1]:
+        node_t, node_a = node_t.setdefault(part, {}), node_a.setdefault(part, {})
+      node_t[tree_path[-1]], node_a[tree_path[-1]] = target, arg
+      expected.append((tree_path, shape, dtype, saved["fingerprint"]))
+
+  restored: dict[str, Any] = {}
+  if targets:
+    try:
+      restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+          os.path.abspath(path), args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
+              item=targets, restore_args=restore_args, partial_restore=True)}))[_STATE_ITEM]
+    except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
+      raise UnusableCheckpoint(f"its arrays do not load ({type(e).__name__}: {e})") from None
+
+  def at(tree_path):
+    node = restored
+    for part in tree_path:
+      if not isinstance(node, dict) or part not in node:
+        raise UnusableCheckpoint(f"array {'/'.join(tree_path)} is missing")
+      node = node[part]
+    return node
+
+  return meta, entries, live, wanted, expected, at
+
+
+def _load(path: str, live_nest: dict[str, Any],
+          agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Reads and checks a step directory: `(snapshot, its topology)`.
+
+  Arrays are restored onto the shardings of the live arrays they replace
+  where those span several devices of a mesh, else as host arrays; entries
+  of the experiment are read only when `live_nest` has an experiment.
+  `agree(read_ok)` tells whether every process read its part: verifying the
+  checksums of sharded arrays is a collective, which all processes must
+  enter or none.
+  """
+  error = None
+  try:
+    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest)
+    values = [at(tree_path) for tree_path, *_ in expected]
+  except CheckpointRefused:
+    raise
+  except UnusableCheckpoint as e:
+    error = e
+  except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+    error = UnusableCheckpoint(f"its metadata is malformed ({type(e).__name__}: {e})")
+  everywhere = agree(error is None)
+  if error is not None:
+    raise error
+  if not everywhere:
+    raise UnusableCheckpoint("another process could not read its part")
+  for (tree_path, shape, dtype, _), value in zip(expected, values):
+    if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
+      raise UnusableCheckpoint(f"array {'/'.join(tree_path)} is {value.dtype}{list(value.shape)} "
+                               f"on disk, {dtype}{list(shape)} in its metadata")
+  # A checksum of a restored sharded array dispatches a collective: every
+  # process restores the same entries, so they dispatch them alike.
+  for (tree_path, *_, fingerprint), got in zip(
+      expected, _host_fingerprints(dispatch_fingerprints(values))):
+    if got != fingerprint:
+      raise UnusableCheckpoint(f"array {'/'.join(tree_path)} does not match the checksum "
+                               "written with it (damaged after saving)")
+
+  nest: dict[str, Any] = {}
+  for name, entry in entries.items():
+    if not wanted(name):
+      continue
+    leaves = [at(leaf["array"]) if "array" in leaf else leaf["value"] for leaf in entry["leaves"]]
+    value = _value_for(entry, leaves, live.get(name), name)
+    if name.startswith(_MODULE_PREFIX):
+      nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value
+    else:
+      nest[name] = value
+  step = nest.get("global_step")
+  if not isinstance(step, int) or isinstance(step, bool) or step != meta["step"] or step < 0:
+    raise UnusableCheckpoint(f"its global_step {step!r} is not the step {meta['step']!r} "
+                             "it was saved at")
+  return nest, meta["topology"]
 
 
 def read(checkpoint_dir: str, series: str = "latest",
          step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
-  """Reads a checkpoint without an experiment: `(step, snapshot)`.
+  """Reads a checkpoint without an experiment: `(step, snapshot)`, arrays as NumPy.
 
   For scripts (exporting weights, comparing runs). Entries made of plain
   containers come back as dicts/lists/tuples; others (NamedTuples, optax
   states) as the list of their leaves in tree order. `step` defaults to the
-  newest.
+  newest. Checksums are verified.
   """
   series_dir = os.path.join(checkpoint_dir, "checkpoints", series)
   steps = _steps(series_dir)
   if not steps:
     raise FileNotFoundError(f"no checkpoint in {series_dir}")
   step = steps[-1] if step is None else step
-  restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-      os.path.abspath(os.path.join(series_dir, str(step))), args=_restore_args())
-  entries = restored["meta"]["entries"]
-  live = {"experiment_module": {}}
-  for name, entry in entries.items():
-    if entry["skeleton"] is None:  # Without a live structure: a flat list of leaves.
-      top, _, attr = name.partition("/")
-      placeholder = [0] * len(entry["leaves"])
-      if attr:
-        live["experiment_module"][attr] = placeholder
-      else:
-        live[top] = placeholder
-  return step, decode(restored["arrays"], restored["meta"], live)
+  path = os.path.join(series_dir, str(step))
+  meta = _read_meta(path)
+  live: dict[str, Any] = {"experiment_module": {}}
+  for name, entry in meta["entries"].items():
+    # Without a live structure, an entry of other nodes is a flat list of its leaves.
+    placeholder = [0] * len(entry["leaves"]) if entry["skeleton"] is None else None
+    if name.startswith(_MODULE_PREFIX):
+      live["experiment_module"][name[len(_MODULE_PREFIX):]] = placeholder
+    else:
+      live[name] = placeholder
+  nest, _ = _load(path, live)
+  return step, nest
+
+
+def unusable_dir(series_dir: str) -> str:
+  """Where unusable checkpoints of a series are moved: beside it, never deleted."""
+  return series_dir.rstrip(os.sep) + ".unusable"
+
+
+def _live_layout(module) -> dict[str, Any]:
+  """What `module.snapshot_state()` would hold, without copying: global arrays
+  as they are (for their shardings), one pmap copy as its shape and dtype."""
+  # Deferred: experiment imports this module's users, not the other way round.
+  from jaxline_ng import experiment as experiment_lib
+  if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
+    return dict(module.snapshot_state())
+  attrs, non_broadcast_attrs = experiment_lib.checkpoint_attrs(module)
+
+  def one_copy(leaf):
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+      return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+    return leaf[0]
+
+  pmap_mode = mesh_lib.active_mesh() is None
+  layout = {name: jax.tree.map(one_copy, getattr(module, attr)) if pmap_mode
+            else getattr(module, attr) for attr, name in attrs.items()}
+  layout.update({name: getattr(module, attr) for attr, name in non_broadcast_attrs.items()})
+  return layout
 
 
 class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 
   def __init__(self, config, mode: str):
-    del mode  # Train and eval processes share the series.
+    # Train and eval processes share the series; each moves aside only
+    # damaged checkpoints of the series it writes.
+    self._writes = {"latest"} if mode in ("train", "train_eval_multithreaded") else {"best"}
+    if mode == "train_eval_multithreaded":
+      self._writes.add("best")
     # Every process restores the chief's checkpoints (a shared filesystem is
-    # assumed), so all resume at the same step. Processes that save besides
-    # the chief (*_checkpoint_all_hosts) each write to a tree of their own.
+    # assumed), so all resume at the same step. In pmap mode, processes that
+    # save besides the chief (*_checkpoint_all_hosts) each write to a tree of
+    # their own; in mesh mode with several processes, arrays span processes
+    # and every process writes its shards into the one tree.
     self._read_root = os.path.join(config.checkpoint_dir, "checkpoints")
     self._root = self._read_root
-    if not multihost.is_chief():
+    self.every_process_saves = config.placement == "mesh" and jax.process_count() > 1
+    if not multihost.is_chief() and not self.every_process_saves:
       self._root = os.path.join(self._read_root, f"process_{jax.process_index()}")
     self._max_to_keep = config.max_checkpoints_to_keep
     self._restore_path = config.restore_path
     self._live = threading.local()
     self._managers: dict[str, ocp.CheckpointManager] = {}
     self._lock = threading.Lock()
-    self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    self._worker = checkpointing.SaveWorker("disk_checkpointer")
+    self._executor = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="disk_checkpointer")
+    self._pending: Optional[concurrent.futures.Future] = None
 
   def _series_dir(self, ckpt_series: str) -> str:
     return os.path.join(self._root, ckpt_series)
@@ -243,17 +546,24 @@ class DiskCheckpointer:
   def _manager(self, ckpt_series: str) -> ocp.CheckpointManager:
     with self._lock:
       if ckpt_series not in self._managers:
-        # Each saving process acts alone (only the chief saves by default),
-        # so orbax must not wait for the others at a barrier; it then leaves
-        # creating the directory to us.
+        if self.every_process_saves:
+          # Orbax then synchronises the processes through JAX's distributed
+          # client, not a device collective the training thread could block.
+          processes = ocp.options.MultiprocessingOptions(
+              primary_host=0, active_processes=set(range(jax.process_count())))
+        else:
+          # Each saving process acts alone (only the chief saves by default).
+          processes = ocp.options.MultiprocessingOptions(
+              primary_host=jax.process_index(), active_processes={jax.process_index()})
+        # Orbax leaves creating the directory to us (it would wait for every
+        # process at a barrier first).
         os.makedirs(self._series_dir(ckpt_series), exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self._max_to_keep,
-            enable_async_checkpointing=True,
+            enable_async_checkpointing=False,  # Saves run on our own thread already.
             cleanup_tmp_directories=True,
             create=False,
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                primary_host=jax.process_index(), active_processes={jax.process_index()}))
+            multiprocessing_options=processes)
         self._managers[ckpt_series] = ocp.CheckpointManager(
             self._series_dir(ckpt_series), options=options)
       return self._managers[ckpt_series]
@@ -262,30 +572,66 @@ class DiskCheckpointer:
     states = self._live.__dict__.setdefault("states", {})
     return states.setdefault(ckpt_series, checkpointing.ExperimentState())
 
-  def save(self, ckpt_series: str, *, validate: Optional[Callable[[], None]] = None) -> None:
-    """Snapshots the live state on device now; writes it on the save worker.
+  @staticmethod
+  def _snapshot(state: checkpointing.ExperimentState) -> dict[str, Any]:
+    """The state's values with fresh device copies of its arrays (dispatched, not waited for)."""
+    # Deferred: experiment imports this module's users, not the other way round.
+    from jaxline_ng import experiment as experiment_lib
+    nest = checkpointing.snapshotted_items(state)
+    module = getattr(state, "experiment_module", None)
+    if module is not None:
+      snapshot = module.snapshot_state()
+      if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
+        snapshot = devices.fresh_copies(snapshot)  # An override may return live buffers.
+      nest["experiment_module"] = dict(snapshot)
+    return nest
 
-    The worker copies it to host, runs `validate` (which may veto the save),
-    encodes it and has orbax write it; the next save and
-    `wait_for_checkpointing_to_finish` wait for that.
+  def save(self, ckpt_series: str, *, validate: Optional[Callable[[], None]] = None) -> None:
+    """Snapshots the live state on device now; writes it on a background thread.
+
+    There `validate` runs first (the non-finite guard; if it raises, nothing
+    is saved), then orbax writes. The next save and
+    `wait_for_checkpointing_to_finish` wait for it and raise its failure.
     """
+    self.wait_for_checkpointing_to_finish()
     state = self.get_experiment_state(ckpt_series)
     manager = self._manager(ckpt_series)
-    nest = checkpointing.device_snapshot(state)
-    check_storable(nest)
     step = state.global_step
+    tree, entries, arrays = encode(self._snapshot(state))
+    fingerprints = dispatch_fingerprints([array for _, array in arrays])
+    series_dir = self._series_dir(ckpt_series)
 
-    def write(host_nest):
-      if manager.latest_step() == step:
+    def write():
+      if validate is not None:
+        try:
+          validate()
+        except Exception:  # pylint: disable=broad-except  (the guard reports its own failure)
+          logging.warning("[jaxline_ng] Not saving %s/%d: the non-finite guard vetoed it.",
+                          ckpt_series, step)
+          return
+      latest = manager.latest_step()
+      if latest == step:
         return  # Saved already (a final save right after a periodic one).
-      arrays, meta = encode(host_nest)
-      manager.save(step, args=ocp.args.Composite(
-          arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
+      meta = {"format": FORMAT, "step": step, "topology": _topology(), "entries": entries,
+              "arrays": {"/".join(path): {"shape": list(np.shape(array)),
+                                          "dtype": np.dtype(array.dtype).name,
+                                          "fingerprint": fingerprint}
+                         for (path, array), fingerprint in zip(
+                             arrays, _host_fingerprints(fingerprints))}}
+      meta["digest"] = _digest(meta)
+      items = {_META_ITEM: ocp.args.JsonSave(meta)}
+      if tree:
+        # Orbax takes global arrays from a multi-process run; a process
+        # saving alone hands it its own (pmap-mode) arrays as host copies.
+        local = jax.process_count() > 1 and not self.every_process_saves
+        items[_STATE_ITEM] = ocp.args.StandardSave(jax.device_get(tree) if local else tree)
+      if not manager.save(step, args=ocp.args.Composite(**items)):
+        raise RuntimeError(f"orbax did not save step {step} in {series_dir} (it holds step "
+                           f"{latest}): move the newer step directories away to save there")
       manager.wait_until_finished()
-      logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step,
-                   self._series_dir(ckpt_series))
+      logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step, series_dir)
 
-    self._worker.submit(nest, validate, write)
+    self._pending = self._executor.submit(write)
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
@@ -305,29 +651,63 @@ class DiskCheckpointer:
     return candidates[0] if candidates else None
 
   def restore(self, ckpt_series: str) -> None:
+    """Loads the newest usable checkpoint of `ckpt_series`.
+
+    Newer ones that fail are reported and, by the process that writes the
+    series, moved aside once an older one has loaded. Raises
+    CheckpointRefused when none can be used.
+    """
     state = self.get_experiment_state(ckpt_series)
     fresh_run = not _steps(os.path.join(self._read_root, ckpt_series))
+    live = checkpointing.snapshotted_items(state)
+    if getattr(state, "experiment_module", None) is not None:
+      live["experiment_module"] = _live_layout(state.experiment_module)
     failures = []
     for path in self._candidates(ckpt_series):
       try:
-        restored = self._reader.restore(os.path.abspath(path), args=_restore_args())
-        live = checkpointing.snapshotted_items(state)
-        if getattr(state, "experiment_module", None) is not None:
-          live["experiment_module"] = state.experiment_module.snapshot_state()
-        nest = decode(restored["arrays"], restored["meta"], live)
-      except Exception as e:  # pylint: disable=broad-except  (any damage: try the previous one)
-        logging.warning("[jaxline_ng] Checkpoint %s could not be loaded (%s: %s); "
-                        "trying the previous one.", path, type(e).__name__, e)
-        failures.append(path)
+        nest, topology = _load(path, live, agree=self._agree)
+      except CheckpointRefused:
+        raise
+      except (UnusableCheckpoint, KeyError, TypeError, IndexError, AttributeError) as e:
+        logging.warning("[jaxline_ng] Checkpoint %s could not be loaded: %s; trying the "
+                        "previous one.", path, e)
+        failures.append((path, e))
         continue
       if fresh_run and ckpt_series == "latest":
         # `restore_path` seeds a new run: its weights, not its step or keys.
         nest = {"experiment_module": nest.get("experiment_module", {})}
+      else:
+        _warn_if_another_topology(topology, nest["global_step"])
+      if not fresh_run:
+        self._move_aside([p for p, _ in failures], ckpt_series)
       checkpointing.restore_snapshot(state, nest)
       logging.info("[jaxline_ng] Restored checkpoint %s.", path)
       return
-    raise FileNotFoundError(
-        f"no loadable checkpoint for series {ckpt_series!r}; tried {failures}")
+    if not failures:
+      raise CheckpointRefused(f"no checkpoint for series {ckpt_series!r} in {self._read_root}")
+    raise CheckpointRefused(
+        f"no usable checkpoint for series {ckpt_series!r}: {failures[0][0]}: {failures[0][1]}"
+        + (f" (and {len(failures) - 1} older ones)" if len(failures) > 1 else ""))
+
+  def _agree(self, ok: bool) -> bool:
+    """Whether every process that restores together read its part of a checkpoint."""
+    if not self.every_process_saves:
+      return ok
+    return int(multihost.all_reduce_sum(np.int32(not ok))) == 0
+
+  def _move_aside(self, paths: list[str], ckpt_series: str) -> None:
+    """Moves unusable step directories out of the series, so saves go past their steps."""
+    if ckpt_series not in self._writes or not multihost.is_chief():
+      return
+    for path in paths:
+      target_dir = unusable_dir(os.path.dirname(path))
+      os.makedirs(target_dir, exist_ok=True)
+      target = os.path.join(target_dir, f"{os.path.basename(path)}-{time.strftime('%Y%m%dT%H%M%S')}")
+      os.rename(path, target)
+      logging.warning("[jaxline_ng] Moved the unusable checkpoint %s to %s (kept for "
+                      "inspection; saving continues past its step).", path, target)
 
   def wait_for_checkpointing_to_finish(self) -> None:
-    self._worker.wait()
+    pending, self._pending = self._pending, None
+    if pending is not None:
+      pending.result()

@@ -123,6 +123,9 @@ def restore_like(live: Any, saved: Any) -> Any:
   """Places saved host values with the shardings of the live values they replace."""
 
   def put(live_leaf, saved_leaf):
+    if isinstance(saved_leaf, jax.Array) and isinstance(live_leaf, jax.Array) and \
+        saved_leaf.sharding == live_leaf.sharding and saved_leaf.dtype == live_leaf.dtype:
+      return saved_leaf  # Restored in place already (a disk checkpoint's arrays, any process count).
     if isinstance(live_leaf, jax.Array):
       return jax.device_put(np.asarray(saved_leaf, dtype=live_leaf.dtype), live_leaf.sharding)
     return saved_leaf

@@ -160,6 +160,26 @@ def _close(writer) -> None:
     close()
 
 
+def compilation_cache_dir(config) -> str | None:
+  """The directory JAX's persistent compilation cache uses for `config`'s run, or None (off)."""
+  if config.compilation_cache_dir is None:
+    return os.path.abspath(os.path.join(config.checkpoint_dir, "compilation_cache"))
+  return os.path.abspath(config.compilation_cache_dir) if config.compilation_cache_dir else None
+
+
+def enable_compilation_cache(config) -> None:
+  """Points JAX's persistent compilation cache at the run's directory (before anything compiles).
+
+  A restarted run, and the eval job beside it, then load the programs the
+  first process compiled instead of compiling them again.
+  """
+  path = compilation_cache_dir(config)
+  if path is None:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  logging.info("[jaxline_ng] Compilation cache: %s", path)
+
+
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
   checkpointer = checkpointer_factory(config, mode)
   if mode == "train":
@@ -211,6 +231,7 @@ def main(experiment_class, argv: Sequence[str],
     multihost.initialize_if_requested()
     base_config.validate_config(config)
     check_mode(mode)
+    enable_compilation_cache(config)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     with preemption.stop_on_signals(), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)

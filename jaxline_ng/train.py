@@ -181,7 +181,8 @@ def train(experiment_class, config, checkpointer, writer,
   (`preemption`), the loop ends after the current step, the state is saved
   and flushed as at a normal end, and `preemption.Preempted` is raised.
   """
-  save_checkpoints = multihost.is_chief() or config.train_checkpoint_all_hosts
+  save_checkpoints = (multihost.is_chief() or config.train_checkpoint_all_hosts
+                      or _every_process_saves(checkpointer))
   mesh_lib.activate(config)
 
   # --- State: construct the experiment, then restore over it. ---
@@ -249,6 +250,12 @@ def train(experiment_class, config, checkpointer, writer,
   multihost.rendezvous("jaxline_ng_train_end")
   if preempted is not None:
     raise preempted
+
+
+def _every_process_saves(checkpointer) -> bool:
+  """Whether every process takes part in each save (a disk checkpoint of arrays
+  sharded over several processes: each writes its own shards)."""
+  return getattr(checkpointer, "every_process_saves", False)
 
 
 def _check_resumed_config(saved: Optional[str], current: str, strict: bool) -> None:
@@ -342,7 +349,8 @@ def evaluate(experiment_class, config, checkpointer, writer,
   state.global_step = 0
   state.experiment_module = experiment
   best = None
-  if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts):
+  if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts
+                                        or _every_process_saves(checkpointer)):
     best = _BestTracker(config, checkpointer, experiment)
   eval_rng = rng.eval_keys(config.random_seed, config.random_mode_eval)
   evaluate_fn = experiment_lib.evaluate_should_return_dict(

@@ -34,3 +34,14 @@ def test_benchmark_suite_smoke(tmp_path, capsys):
     assert row in table
   results = json.loads(out.read_text())
   assert results["loop"]["ratio_median"] > 0 and results["startup"]["framework_s"] >= 0
+
+
+def test_checkpoint_io_smoke(tmp_path):
+  out = tmp_path / "checkpoint_io.json"
+  result = run_module("benchmarks.checkpoint_io", "--gib=0.01", "--saves=1", "--restarts=1",
+                      f"--out={out}", timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+  results = json.loads(out.read_text())
+  for key in ("save_vs_file_write", "restore_vs_file_read", "stall_vs_copy",
+              "peak_host_memory_gib", "restart_cold_s", "restart_warm_s"):
+    assert results[key] > 0, key

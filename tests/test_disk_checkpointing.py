@@ -114,7 +114,7 @@ def test_unstorable_value_fails_at_first_save_naming_it(tmp_path):
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
   run(disk_config(tmp_path, 6))
   newest = os.path.join(tmp_path, "checkpoints", "latest", "6")
-  for dirpath, _, files in os.walk(os.path.join(newest, "arrays")):
+  for dirpath, _, files in os.walk(os.path.join(newest, "state")):
     for name in files:
       with open(os.path.join(dirpath, name), "r+b") as f:
         f.truncate(3)
@@ -168,3 +168,133 @@ def test_read_without_an_experiment(tmp_path):
   assert older == 2
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     disk_checkpointing.read(str(tmp_path), series="best")
+
+
+def test_checkpoint_reads_with_orbax_alone_by_name(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  trained = run(disk_config(tmp_path, 4))
+  tree = ocp.StandardCheckpointer().restore(
+      os.path.join(tmp_path, "checkpoints", "latest", "4", "state"))
+  module = tree["experiment_module"]
+  params = utils.get_first(trained._params)
+  np.testing.assert_array_equal(module["params"]["w"], params["w"])  # one copy: no device axis
+  assert module["params"]["w"].shape == (2, 3)
+  adam = utils.get_first(trained._opt_state)[0]
+  np.testing.assert_array_equal(module["opt_state"]["0"]["mu"]["b"], adam.mu["b"])
+  assert int(module["moments"]["count"]) == 4  # a NamedTuple's fields by name
+  assert tree["train_step_rng"].shape == (jax.local_device_count(), 2)
+  assert "history" not in module  # plain Python values live in the JSON item
+
+
+def _data_files(step_dir):
+  return [os.path.join(dirpath, name)
+          for dirpath, _, names in os.walk(os.path.join(step_dir, "state"))
+          if os.path.basename(dirpath) == "d" for name in names]
+
+
+def _random_bytes_into_data_files(step_dir):
+  # Orbax keeps small arrays inline in its index files and larger ones in
+  # per-process data files: 4 KiB land in each, so the arrays' own bytes are hit.
+  for path in _data_files(step_dir):
+    with open(path, "r+b") as f:
+      f.seek(max(0, os.path.getsize(path) - 4096) // 2)
+      f.write(np.random.default_rng(0).bytes(4096))
+
+
+def _truncate(step_dir):
+  for path in _data_files(step_dir):
+    with open(path, "r+b") as f:
+      f.truncate(3)
+
+
+def _empty(step_dir):
+  for dirpath, _, names in os.walk(step_dir):
+    for name in names:
+      open(os.path.join(dirpath, name), "w").close()
+
+
+def _edit_meta(step_dir, edit):
+  import json  # pylint: disable=import-outside-toplevel
+  path = os.path.join(step_dir, "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  edit(meta)
+  with open(path, "w") as f:
+    json.dump(meta, f)
+
+
+def _bad_value(step_dir):
+  def edit(meta):
+    meta["entries"]["experiment_module/history"]["leaves"][0]["value"] = 99
+  _edit_meta(step_dir, edit)
+
+
+def _unexpected_entry(step_dir):
+  def edit(meta):
+    meta["entries"]["experiment_module/extra"] = {"leaves": [{"value": 1}],
+                                                  "skeleton": {"leaf": 0}}
+  _edit_meta(step_dir, edit)
+
+
+def _array_unlike_its_checksum(step_dir):
+  """Data that still decodes but holds other values: only the checksum tells."""
+  def edit(meta):
+    meta["arrays"]["experiment_module/params/w"]["fingerprint"][0] ^= 1
+    meta["digest"] = disk_checkpointing._digest(meta)  # pylint: disable=protected-access
+  _edit_meta(step_dir, edit)
+
+
+@pytest.mark.parametrize("damage", [_random_bytes_into_data_files, _truncate, _empty,
+                                    _bad_value, _unexpected_entry, _array_unlike_its_checksum])
+def test_damaged_newest_checkpoint_is_moved_aside_and_saving_continues(tmp_path, caplog, damage):
+  run(disk_config(tmp_path, 6))
+  series = os.path.join(tmp_path, "checkpoints", "latest")
+  newest = os.path.join(series, "6")
+  damage(newest)
+  resumed = run(disk_config(tmp_path, 8))
+  assert Rich.seen_steps == [4, 5, 6, 7]  # resumed from the previous checkpoint
+  assert resumed._history == list(range(8))
+  assert series_steps(tmp_path) == [4, 6, 8]  # saving went on past the damaged step
+  moved = os.listdir(disk_checkpointing.unusable_dir(series))
+  assert len(moved) == 1 and moved[0].startswith("6-")
+  assert "could not be loaded" in caplog.text
+  assert os.path.join(disk_checkpointing.unusable_dir(series), moved[0]) in caplog.text
+  # The checkpoint saved at step 6 after the move restores and matches the run.
+  step, nest = disk_checkpointing.read(str(tmp_path), step=6)
+  assert step == 6 and nest["experiment_module"]["history"] == list(range(6))
+
+
+def test_no_usable_checkpoint_is_refused_and_nothing_is_moved(tmp_path):
+  run(disk_config(tmp_path, 4))
+  series = os.path.join(tmp_path, "checkpoints", "latest")
+  for step in series_steps(tmp_path):
+    _truncate(os.path.join(series, str(step)))
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"no usable checkpoint for series 'latest': .*latest/4: its arrays"):
+    run(disk_config(tmp_path, 6))
+  assert series_steps(tmp_path) == [2, 4]
+  assert not os.path.exists(disk_checkpointing.unusable_dir(series))
+
+
+def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path):
+
+  class Wider(Rich):
+
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._params = utils.bcast_local_devices({"w": jnp.zeros((2, 5)), "b": jnp.zeros(3)})
+
+  run(disk_config(tmp_path, 2))
+  config = disk_config(tmp_path, 4)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"params/w has shape \(2, 3\) but the experiment's is \(2, 5\)"):
+    train.train(Wider, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
+def test_format_1_checkpoint_is_refused_naming_the_format(tmp_path):
+  old = os.path.join(tmp_path, "checkpoints", "latest", "4")
+  os.makedirs(os.path.join(old, "arrays"))
+  os.makedirs(os.path.join(old, "meta"))
+  with pytest.raises(disk_checkpointing.CheckpointRefused, match="format 1"):
+    run(disk_config(tmp_path, 6))
+  assert os.path.isdir(old)

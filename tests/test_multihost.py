@@ -52,8 +52,9 @@ def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_p
   assert multi_step == single_step == 20
   np.testing.assert_allclose(multi, single, rtol=1e-6)
 
-  # Only process 0 wrote summaries, a run record and checkpoints.
-  assert sorted(os.listdir(run_dir)) == ["checkpoints", "train"]
+  # Only process 0 wrote summaries, a run record and checkpoints (the
+  # compilation cache is the run's, shared by its processes).
+  assert sorted(os.listdir(run_dir)) == ["checkpoints", "compilation_cache", "train"]
   assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest"]
   assert "process_1" not in os.listdir(run_dir / "train")
 

@@ -1,0 +1,43 @@
+"""A damaged newest checkpoint, end to end with real processes: training and an eval job."""
+
+import json
+import os
+import subprocess
+import sys
+
+from jaxline_ng import disk_checkpointing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join("tests", "experiments", "toy.py")
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+           JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+
+
+def toy(checkpoint_dir, *extra, timeout=120):
+  return subprocess.run(
+      [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
+       "--config.checkpointer=disk", "--config.training_steps=20", *extra],
+      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_truncated_final_checkpoint_is_redone_and_the_eval_job_reaches_the_end(tmp_path):
+  assert toy(tmp_path).returncode == 0
+  series = tmp_path / "checkpoints" / "latest"
+  for dirpath, _, names in os.walk(series / "20"):
+    for name in names:
+      with open(os.path.join(dirpath, name), "r+b") as f:
+        f.truncate(min(3, os.path.getsize(f.name)))
+
+  rerun = toy(tmp_path)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert f"Checkpoint {series / '20'} could not be loaded" in rerun.stderr
+  assert f"Restored checkpoint {series / '10'}" in rerun.stderr
+  assert f"Moved the unusable checkpoint {series / '20'} to " in rerun.stderr
+  assert "Saved checkpoint latest/20" in rerun.stderr  # not silently skipped
+  assert len(os.listdir(disk_checkpointing.unusable_dir(str(series)))) == 1
+
+  evaluator = toy(tmp_path, "--jaxline_mode=eval", "--config.eval_poll_interval_secs=0.2",
+                  timeout=60)
+  assert evaluator.returncode == 0, evaluator.stderr[-3000:]
+  with open(tmp_path / "eval" / "metrics.jsonl") as f:
+    assert json.loads(f.readlines()[-1])["step"] == 20

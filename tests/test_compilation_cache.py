@@ -1,0 +1,43 @@
+"""JAX's persistent compilation cache: on by default under checkpoint_dir, shared, can be off."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join("tests", "experiments", "toy.py")
+# The toy's programs compile in milliseconds, below JAX's default threshold
+# for caching a program (1 s): cache every one, so the test sees them.
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+           JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+def toy(checkpoint_dir, *extra):
+  result = subprocess.run(
+      [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
+       "--config.checkpointer=disk", "--config.training_steps=4", *extra],
+      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stderr
+
+
+def test_cache_under_checkpoint_dir_is_reused_by_restarts_and_the_eval_job(tmp_path):
+  cache = tmp_path / "compilation_cache"
+  log = toy(tmp_path)
+  assert f"Compilation cache: {cache}" in log
+  assert os.listdir(cache)
+  toy(tmp_path, "--config.training_steps=8")  # the first restart adds what restoring compiles
+  after_train = set(os.listdir(cache))
+  toy(tmp_path, "--config.training_steps=12")  # the next one compiles nothing new
+  assert set(os.listdir(cache)) == after_train
+  toy(tmp_path, "--jaxline_mode=eval", "--config.one_off_evaluate")
+  assert set(os.listdir(cache)) > after_train  # the eval job's programs join the same cache
+
+
+def test_cache_can_be_moved_and_turned_off(tmp_path):
+  toy(tmp_path / "run", f"--config.compilation_cache_dir={tmp_path / 'elsewhere'}")
+  assert os.listdir(tmp_path / "elsewhere")
+  assert not (tmp_path / "run" / "compilation_cache").exists()
+  log = toy(tmp_path / "off", "--config.compilation_cache_dir=")
+  assert "Compilation cache" not in log
+  assert not (tmp_path / "off" / "compilation_cache").exists()
