@@ -320,6 +320,13 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str) -> Any
     return value
   if live_treedef is not None and live_treedef.num_leaves == len(leaves):
     return jax.tree.unflatten(live_treedef, leaves)
+  if live is None and name.startswith(_MODULE_PREFIX):
+    # jaxline experiments often leave state they need only for training (an
+    # optimizer state) as None in their eval modes; its NamedTuples cannot
+    # be rebuilt without the live structure, so it stays None.
+    logging.warning("[jaxline_ng] Checkpoint entry %s is not restored: the experiment holds "
+                    "None there (build it in __init__ to restore it).", name)
+    return None
   raise UnusableCheckpoint(
       f"entry {name} has {len(leaves)} values but the experiment's has "
       f"{None if live_treedef is None else live_treedef.num_leaves}")

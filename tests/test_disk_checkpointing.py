@@ -298,3 +298,31 @@ def test_format_1_checkpoint_is_refused_naming_the_format(tmp_path):
   with pytest.raises(disk_checkpointing.CheckpointRefused, match="format 1"):
     run(disk_config(tmp_path, 6))
   assert os.path.isdir(old)
+
+
+class EvalWithoutOptimizer(Rich):
+  """Published pattern: the eval modes build no optimizer state (None)."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    if mode != "train":
+      self._opt_state = None
+
+
+def test_an_eval_mode_that_holds_none_restores_the_rest(tmp_path):
+  config = disk_config(tmp_path, 4)
+  run(config)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "eval")
+  writer = []
+
+  class Rows:
+    def write_scalars(self, step, scalars):
+      writer.append((step, scalars["b0"]))
+
+    def write_images(self, step, images):
+      pass
+
+  train.evaluate(EvalWithoutOptimizer, config, checkpointer, Rows(), jaxline_mode="eval")
+  assert [step for step, _ in writer] == [4]
+  assert writer[0][1] != 0.0  # Trained parameters were restored.
+  assert checkpointer.get_experiment_state("latest").experiment_module._opt_state is None  # pylint: disable=protected-access
