@@ -25,6 +25,7 @@ from absl import logging
 
 from jaxline_ng import devices
 from jaxline_ng import mesh as mesh_lib
+from jaxline_ng import preemption
 from jaxline_ng import rng as rng_lib
 
 Scalars = Mapping[str, Any]
@@ -227,12 +228,13 @@ class log_activity:  # pylint: disable=invalid-name  (jaxline's name, used as a 
     elapsed = time.perf_counter() - self._start
     if exc_type is None:
       logging.info("[jaxline_ng] %s finished (%.2fs).", self._name, elapsed)
-    elif issubclass(exc_type, Exception):
+    elif issubclass(exc_type, Exception) and not issubclass(exc_type, preemption.Preempted):
       # The traceback is logged here, where the activity is named: a failure
       # on a background thread may be re-raised far from it, or not at all.
       logging.exception("[jaxline_ng] %s failed after %.2fs.", self._name, elapsed)
-    else:  # KeyboardInterrupt, SystemExit: an exit, not a failure to explain.
-      logging.warning("[jaxline_ng] %s interrupted after %.2fs.", self._name, elapsed)
+    else:  # A requested stop, KeyboardInterrupt, SystemExit: not a failure to explain.
+      logging.warning("[jaxline_ng] %s stopped after %.2fs: %s", self._name, elapsed,
+                      exc or exc_type.__name__)
     return False
 
 
