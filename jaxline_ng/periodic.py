@@ -87,7 +87,9 @@ class PeriodicAction:
     interval: the period; with "steps" the action runs at its multiples.
       None (or 0 steps) never triggers by interval.
     start_time, start_step: when the action last ran; seconds and
-      `steps_per_sec` are measured from there (see `update_time`).
+      `steps_per_sec` are measured from there (see `update_time`). A
+      `start_time` of None: a "secs" action is due at its first call, and
+      that call's scalars get no `steps_per_sec` (nothing to measure from).
     run_async: run `fn` on a background thread, one call at a time, in order;
       an error it raises is raised by a later call of the action.
     log_all_data: pass `fn` every step's scalars since the last action, each
@@ -101,7 +103,7 @@ class PeriodicAction:
                fn: Callable[[int, Any], None],
                interval_type: str,
                interval: Optional[float],
-               start_time: float = 0.0,
+               start_time: Optional[float] = 0.0,
                start_step: int = 0,
                run_async: bool = True,
                log_all_data: bool = False,
@@ -137,7 +139,8 @@ class PeriodicAction:
       if self._growth_ratios and _on_growth_schedule(step, self._growth_ratios):
         return True
       return bool(self._interval) and step % self._interval == 0
-    return self._interval is not None and t - self._prev_time >= self._interval
+    return self._interval is not None and (
+        self._prev_time is None or t - self._prev_time >= self._interval)
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     self._last_seen = (t, step, scalars)
@@ -149,8 +152,8 @@ class PeriodicAction:
       self._hand_over(t)
 
   def _act(self, t: float, step: int, scalars: Any) -> None:
-    elapsed = t - self._prev_time
-    steps_per_sec = (step - self._prev_step) / elapsed if elapsed > 0 else None
+    elapsed = None if self._prev_time is None else t - self._prev_time
+    steps_per_sec = (step - self._prev_step) / elapsed if elapsed else None
     batch = self._unlogged if self._log_all_data else [(step, scalars)]
     self._unlogged = []
     self._due += [(s, steps_per_sec if s == step else None, values) for s, values in batch]

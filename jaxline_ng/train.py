@@ -105,29 +105,27 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   is validated against the newest step before it, so a non-finite state is
   never saved.
 
-  Each action's interval continues from the `(time, step)` it last acted at
-  in the restored run (`state.periodic_action_times`), so resuming does not
-  restart the clocks; the times are stored with every checkpoint.
+  Periodic saving continues from the `(time, step)` it last saved at in the
+  restored run (`state.periodic_action_times`, stored with every
+  checkpoint), so a resumed run does not restart its saving clock.
   """
-  now, start_step = time.time(), state.global_step
-  restored_times = getattr(state, "periodic_action_times", None) or {}
+  start_step = state.global_step
+  saved_at_time, saved_at_step = (getattr(state, "periodic_action_times", None) or {}).get(
+      "checkpoint", (time.time(), start_step))
   logging_type = _interval_type(config, "logging_interval_type")
   growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
   actions = {"non_finite_guard": guard}
-
-  def last_acted(role, default_time):
-    t, step = restored_times.get(role, (default_time, start_step))
-    return {"start_time": t, "start_step": step}
 
   def log_progress(step, scalars):
     values = host_scalars(scalars)
     guard.observe(step, values)
     logging.info(_progress_line(step, config.training_steps, values))
 
-  # Logging starts at time 0 so the first step is logged at once.
+  # The first step is logged and written at once, with no rate (none is
+  # known yet); a resumed run's rate is measured from its own start.
   actions["log"] = periodic.PeriodicAction(
-      log_progress, logging_type, config.log_tensors_interval,
-      logging_growth_ratios=growth, **last_acted("log", 0.0))
+      log_progress, logging_type, config.log_tensors_interval, start_time=None,
+      start_step=start_step, logging_growth_ratios=growth)
 
   if writer is not None and config.log_train_data_interval is not None:
 
@@ -138,8 +136,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
 
     actions["write"] = periodic.PeriodicAction(
         write_scalars, logging_type, config.log_train_data_interval,
-        log_all_data=config.log_all_train_data, logging_growth_ratios=growth,
-        **last_acted("write", 0.0))
+        start_time=None, start_step=start_step, log_all_data=config.log_all_train_data,
+        logging_growth_ratios=growth)
 
   saved_at = [None]
   # jaxline_ng's checkpointers run the guard on their save worker (waiting for
@@ -150,8 +148,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     del step, scalars
     if saved_at[0] == state.global_step:
       return  # The final save right after a periodic one at the same step.
-    state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
-                                   if isinstance(action, periodic.PeriodicAction)}
+    if "checkpoint" in actions:
+      state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if validates:
       checkpointer.save("latest", validate=guard.seal())
     else:
@@ -167,7 +165,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
         save_latest, checkpoint_type, config.save_checkpoint_interval, run_async=False,
         logging_growth_ratios=(config.periodic_action_growth_ratios
                                if checkpoint_type == "steps" else None),
-        **last_acted("checkpoint", now))
+        start_time=saved_at_time, start_step=saved_at_step)
   return actions, save_latest
 
 

@@ -273,3 +273,14 @@ def test_periodic_saves_happen_at_jaxlines_steps(overrides, saved_steps):
   checkpointer = ConfigDictCheckpointer()
   train.train(NoInitRng, make_config(**overrides), checkpointer, None)
   assert [saved["global_step"] for saved in checkpointer.saved] == saved_steps
+
+
+def test_a_requested_stop_is_not_logged_as_a_failure():
+  from jaxline_ng import preemption  # pylint: disable=import-outside-toplevel
+  with mock.patch("absl.logging.exception") as exception, \
+      mock.patch("absl.logging.warning") as warning:
+    with pytest.raises(preemption.Preempted):
+      with utils.log_activity("training loop"):
+        raise preemption.Preempted("stopped by SIGTERM after step 7")
+  exception.assert_not_called()
+  assert "stopped by SIGTERM after step 7" in str(warning.call_args)

@@ -205,3 +205,11 @@ def test_make_async_skips_calls_queued_before_the_error_was_seen():
   assert isinstance(first.exception(), ValueError)
   second.result()
   assert runs == [0]
+
+
+def test_no_start_time_acts_at_once_without_a_made_up_rate():
+  calls = Calls()
+  action = periodic.PeriodicAction(calls, "secs", 60.0, start_time=None, start_step=40,
+                                   run_async=False)
+  drive(action, [41, 42, 43], times=[1000.0, 1030.0, 1061.0])
+  assert calls.steps == [(41, {"s": 41}), (43, {"s": 43, "steps_per_sec": pytest.approx(2 / 61)})]
