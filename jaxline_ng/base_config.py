@@ -7,6 +7,7 @@ insists that the keys below are present and well-formed.
 """
 
 import ml_collections
+from absl import logging
 from ml_collections import config_dict
 
 INTERVAL_TYPES = ("secs", "steps")
@@ -164,8 +165,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
 
   if config.restore_path and config.checkpointer != "disk":
-    raise ConfigError(
-        f"config.restore_path={config.restore_path!r} needs config.checkpointer='disk'")
+    # Published experiments define restore_path for their own restores from
+    # in-memory runs, so it is not an error; jaxline_ng reads it from disk only.
+    logging.warning("[jaxline_ng] config.restore_path=%r is read by the disk checkpointer only; "
+                    "with config.checkpointer=%r jaxline_ng leaves it to the experiment.",
+                    config.restore_path, config.checkpointer)
 
   cache_dir = config.compilation_cache_dir
   if cache_dir is not None and not isinstance(cache_dir, str):

@@ -55,3 +55,10 @@ def test_malformed_values_name_the_key(key, value, culprit):
   config[key] = value
   with pytest.raises(base_config.ConfigError, match=f"config.{culprit}="):
     base_config.validate_config(config)
+
+
+def test_restore_path_with_in_memory_checkpoints_is_left_to_the_experiment():
+  """Published experiments define restore_path for restores of their own."""
+  config = base_config.get_base_config()
+  config.restore_path = "/runs/previous"
+  base_config.validate_config(config)  # No error: jaxline_ng reads it only from disk.
