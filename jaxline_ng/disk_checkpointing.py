@@ -218,6 +218,21 @@ def read(checkpoint_dir: str, series: str = "latest",
   return step, decode(restored["arrays"], restored["meta"], live)
 
 
+class _CheckpointManager(ocp.CheckpointManager):
+  """orbax's manager, kept from asking JAX's preemption sync point.
+
+  The sync point counts steps from the calls made to it, and orbax asks it
+  about each step it saves, on the save worker, after the loop has moved on:
+  a notice arriving then would have this process report a step the loop has
+  passed, and the processes could agree on a step it never reaches. The
+  loop alone asks (`preemption.StopCheck`) and saves the agreed step itself.
+  """
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
 class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 
@@ -255,7 +270,7 @@ class DiskCheckpointer:
             create=False,
             multiprocessing_options=ocp.options.MultiprocessingOptions(
                 primary_host=jax.process_index(), active_processes={jax.process_index()}))
-        self._managers[ckpt_series] = ocp.CheckpointManager(
+        self._managers[ckpt_series] = _CheckpointManager(
             self._series_dir(ckpt_series), options=options)
       return self._managers[ckpt_series]
 

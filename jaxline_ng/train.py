@@ -217,7 +217,7 @@ def train(experiment_class, config, checkpointer, writer,
   default_actions, save_latest = _default_periodic_actions(
       config, checkpointer, writer, state, save_checkpoints, guard)
   actions = [*periodic_actions, *default_actions,
-             preemption.StopCheck(config.wall_clock_budget_secs)]
+             preemption.StopCheck(config.wall_clock_budget_secs, start_step=state.global_step)]
   if config.profile_steps:
     actions.append(profiling.ProfileWindow(
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
