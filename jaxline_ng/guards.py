@@ -32,6 +32,7 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import devices
+from jaxline_ng import multihost
 
 POLICIES = ("halt", "warn", "off")
 # Steps whose scalars may wait for a check; past this, the loop reads the
@@ -126,6 +127,8 @@ class NonFiniteGuard:
       self._report_first_bad(steps)
     else:
       self._forget_up_to(newest_step)
+    if multihost.is_multiprocess():
+      _veto_after_peer_failure(newest_step)
 
   def _forget_up_to(self, step: int) -> None:
     with self._lock:
@@ -207,6 +210,25 @@ def run_in_order(checks: Sequence[Optional[Callable[[], None]]]) -> list[bool]:
     else:
       passed.append(True)
   return passed
+
+
+class PeerFailedError(RuntimeError):
+  """Another process of the run failed: a save made since is not kept."""
+
+
+def _veto_after_peer_failure(step: int) -> None:
+  """Refuses to save `step` once another process has published a failure.
+
+  That process may have stopped on a non-finite value only its own scalars
+  show (this one's checks cannot see them), and the run ends anyway. One
+  read of the key-value store per save, on the save worker.
+  """
+  failure = multihost.published_failure()
+  if failure is not None:
+    process, _, message = failure.split(" ", 2)
+    logging.warning("[jaxline_ng] Not saving step %d: process %s failed (%s).",
+                    step, process, message)
+    raise PeerFailedError(f"process {process} failed: {message}")
 
 
 def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:

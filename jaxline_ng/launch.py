@@ -32,9 +32,11 @@ _STOP_GRACE_SECS = 5.0
 # jaxline_ng.preemption.EXIT_PREEMPTED (not imported: that would import JAX here).
 _EXIT_PREEMPTED = 75
 # How long the others get to end on their own once a process has ended: they
-# learn of a failure at once and agree on a stop within seconds, but the
-# chief's final save may take longer. After a failure they get the grace only.
+# agree on a stop within seconds, but the chief's final save may take longer.
 _PEERS_END_SECS = 30.0
+# The same after a failure: the others learn of it at once, and finish the
+# saves made before it within multihost's bound (10 s).
+_PEERS_FAIL_SECS = 15.0
 
 
 def _free_port() -> int:
@@ -117,7 +119,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
         if index not in ended_at and process.poll() is not None:
           ended_at[index] = now
       if ended_at:
-        patience = (_STOP_GRACE_SECS if any(_failed(p.returncode) for p in processes)
+        patience = (_PEERS_FAIL_SECS if any(_failed(p.returncode) for p in processes)
                     else _PEERS_END_SECS)
         if now - min(ended_at.values()) > patience:
           with lock:

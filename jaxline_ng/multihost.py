@@ -155,10 +155,10 @@ _FAILURE_KEY = "jaxline_ng/failure"
 # thread inside it then aborts the process). Not a latency: a write wakes the
 # read at once.
 _WATCH_MS = 1000
-# How long the callbacks registered with `at_peer_failure` (writer flushes) may
-# take before the process exits anyway: a flush can wait on a device read
-# that a dead peer's collective blocks.
-_PEER_FAILURE_FLUSH_SECS = 5.0
+# How long the callbacks registered with `at_peer_failure` (pending saves,
+# writer flushes) may take before the process exits anyway: they can wait on
+# a step that a dead peer's collective blocks.
+_PEER_FAILURE_FLUSH_SECS = 10.0
 _at_peer_failure: list[Callable[[], None]] = []
 
 
@@ -213,6 +213,16 @@ def publish_failure(message: str, exit_code: int) -> None:
                     "another process's failure may have come first.")
 
 
+def published_failure() -> str | None:
+  """The failure a process published (`process code message`), or None; one store read."""
+  try:
+    return _key_value_store().key_value_try_get(_FAILURE_KEY)
+  except Exception as e:  # pylint: disable=broad-except
+    if "NOT_FOUND" in str(e):
+      return None
+    raise
+
+
 def exit_when_a_peer_fails() -> None:
   """Starts a daemon thread that ends this process when another process publishes a failure.
 
@@ -249,8 +259,14 @@ def exit_when_a_peer_fails() -> None:
 def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
   logging.error("[jaxline_ng] Process %d failed (%s); process %d exits with code %d too, "
                 "without saving.", process, message, jax.process_index(), exit_code)
-  flushing = threading.Thread(target=lambda: [callback() for callback in _at_peer_failure],
-                              daemon=True)
+  def flush():
+    for callback in _at_peer_failure:
+      try:
+        callback()
+      except Exception:  # pylint: disable=broad-except  (the peer's failure is the news)
+        logging.exception("[jaxline_ng] While exiting after process %d failed:", process)
+
+  flushing = threading.Thread(target=flush, daemon=True)
   flushing.start()
   flushing.join(timeout=_PEER_FAILURE_FLUSH_SECS)
   logging.flush()

@@ -164,6 +164,9 @@ def _close(writer) -> None:
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
   checkpointer = checkpointer_factory(config, mode)
+  if multihost.is_multiprocess():
+    # Saves made before another process failed still land (later ones are vetoed).
+    multihost.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
   if mode == "train":
     writer = _writer_and_record(config, "train")
     try:
