@@ -213,6 +213,26 @@ def publish_failure(message: str, exit_code: int) -> None:
                     "another process's failure may have come first.")
 
 
+def key_value_set(key: str, value: str) -> None:
+  """Writes `key` once in the distributed runtime's key-value store."""
+  _key_value_store().key_value_set(key, value)
+
+
+def key_value_wait(key: str, give_up: Callable[[], bool]) -> str | None:
+  """The value of `key` once some process writes it, or None once `give_up()` is true.
+
+  `give_up` is asked every `_WATCH_MS`; a write ends the wait at once.
+  """
+  client = _key_value_store()
+  while not give_up():
+    try:
+      return client.blocking_key_value_get(key, _WATCH_MS)
+    except Exception as e:  # pylint: disable=broad-except
+      if "DEADLINE_EXCEEDED" not in str(e):
+        raise
+  return None
+
+
 def published_failure() -> str | None:
   """The failure a process published (`process code message`), or None; one store read."""
   try:

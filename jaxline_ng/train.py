@@ -100,7 +100,8 @@ class _Telemetry:
 
 
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
-                              guard: guards.NonFiniteGuard):
+                              guard: guards.NonFiniteGuard,
+                              peer_checks: Optional[guards.PeerChecks] = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
   The guard sees what logging and writing copy to the host, and each save
@@ -161,7 +162,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
                                    if isinstance(action, periodic.PeriodicAction)}
     if validates:
-      checkpointer.save("latest", validate=guard.seal())
+      checkpointer.save("latest", validate=guard.seal(
+          then=peer_checks and peer_checks.before_save(state.global_step)))
     else:
       guard.check()
       checkpointer.save("latest")
@@ -214,8 +216,15 @@ def train(experiment_class, config, checkpointer, writer,
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
   guard = guards.NonFiniteGuard(config.non_finite_policy)
+  # With several processes the chief's saves wait for the others' guards
+  # (unless every process saves its own checkpoints).
+  peer_checks = None
+  if multihost.is_multiprocess() and not config.train_checkpoint_all_hosts:
+    peer_checks = guards.PeerChecks(guard)
+    if not save_checkpoints:
+      peer_checks.answer()
   default_actions, save_latest = _default_periodic_actions(
-      config, checkpointer, writer, state, save_checkpoints, guard)
+      config, checkpointer, writer, state, save_checkpoints, guard, peer_checks)
   actions = [*periodic_actions, *default_actions,
              preemption.StopCheck(config.wall_clock_budget_secs, start_step=state.global_step)]
   if config.profile_steps:
@@ -251,7 +260,10 @@ def train(experiment_class, config, checkpointer, writer,
   checkpointer.wait_for_checkpointing_to_finish()
   if writer is not None:
     writer.flush()
+  # The other processes answer the chief's checks until it has saved.
   multihost.rendezvous("jaxline_ng_train_end")
+  if peer_checks is not None:
+    peer_checks.close()
   if preempted is not None:
     raise preempted
 
