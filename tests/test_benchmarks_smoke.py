@@ -34,3 +34,9 @@ def test_benchmark_suite_smoke(tmp_path, capsys):
     assert row in table
   results = json.loads(out.read_text())
   assert results["loop"]["ratio_median"] > 0 and results["startup"]["framework_s"] >= 0
+
+
+def test_two_process_benchmark_smoke():
+  result = run_module("benchmarks.two_process", "--runs=1", "--steps=2000", timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+  assert "median steps/s over 1 windows:" in result.stdout
