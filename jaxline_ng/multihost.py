@@ -213,9 +213,16 @@ def publish_failure(message: str, exit_code: int) -> None:
                     "another process's failure may have come first.")
 
 
-def key_value_set(key: str, value: str) -> None:
-  """Writes `key` once in the distributed runtime's key-value store."""
-  _key_value_store().key_value_set(key, value)
+def key_value_set(key: str, value: str, allow_existing: bool = False) -> None:
+  """Writes `key` once in the distributed runtime's key-value store.
+
+  With `allow_existing`, a key another process wrote first is left as it is.
+  """
+  try:
+    _key_value_store().key_value_set(key, value)
+  except Exception as e:  # pylint: disable=broad-except
+    if not (allow_existing and "ALREADY_EXISTS" in str(e)):
+      raise
 
 
 def key_value_wait(key: str, give_up: Callable[[], bool]) -> str | None:
@@ -233,14 +240,19 @@ def key_value_wait(key: str, give_up: Callable[[], bool]) -> str | None:
   return None
 
 
-def published_failure() -> str | None:
-  """The failure a process published (`process code message`), or None; one store read."""
+def key_value_try_get(key: str) -> str | None:
+  """The value of `key` if some process wrote it, else None; one store read."""
   try:
-    return _key_value_store().key_value_try_get(_FAILURE_KEY)
+    return _key_value_store().key_value_try_get(key)
   except Exception as e:  # pylint: disable=broad-except
     if "NOT_FOUND" in str(e):
       return None
     raise
+
+
+def published_failure() -> str | None:
+  """The failure a process published (`process code message`), or None; one store read."""
+  return key_value_try_get(_FAILURE_KEY)
 
 
 def exit_when_a_peer_fails() -> None:

@@ -218,7 +218,10 @@ def main(experiment_class, argv: Sequence[str],
     base_config.validate_config(config)
     check_mode(mode)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
-    with preemption.stop_on_signals(), debugging.eager_if_requested():
+    # Training processes agree on stops through JAX's preemption service,
+    # which takes SIGTERM as its notice.
+    sigterm_to_jax = multihost.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
+    with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
   except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError) as e:
     if multihost.is_multiprocess():

@@ -34,6 +34,8 @@ EXIT_PREEMPTED = 75
 
 _stop_requested = threading.Event()
 _reason = ["signal"]
+# Whether SIGTERM is left to JAX's preemption service (`stop_on_signals`).
+_notice_through_jax = [False]
 
 
 class Preempted(Exception):
@@ -47,7 +49,7 @@ def request_stop(reason: str) -> None:
   """
   _reason[0] = reason
   _stop_requested.set()
-  if multihost.is_multiprocess():
+  if _notice_through_jax[0]:
     multihost.give_preemption_notice()
 
 
@@ -76,23 +78,25 @@ def _on_signal(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_signals():
+def stop_on_signals(sigterm_to_jax: bool = False):
   """Within the block, SIGTERM and SIGINT request a stop; handlers restored after.
 
   Clears an earlier request first. Signal handlers can only be installed from
-  the main thread; elsewhere the block runs with the handlers it has.
+  the main thread; elsewhere the block runs with the handlers it has. With
+  `sigterm_to_jax` (training in a multi-process run) SIGTERM stays with JAX's
+  preemption service, and a stop request gives it the notice.
   """
   _stop_requested.clear()
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  # SIGTERM is JAX's preemption notice in a multi-process run: its handler
-  # must stay in place.
-  signums = (signal.SIGINT,) if multihost.is_multiprocess() else (signal.SIGTERM, signal.SIGINT)
+  signums = (signal.SIGINT,) if sigterm_to_jax else (signal.SIGTERM, signal.SIGINT)
   previous = {signum: signal.signal(signum, _on_signal) for signum in signums}
+  _notice_through_jax[0] = sigterm_to_jax
   try:
     yield
   finally:
+    _notice_through_jax[0] = False
     for signum, handler in previous.items():
       signal.signal(signum, handler)
 
@@ -126,7 +130,10 @@ class StopCheck:
       self._deadline = None
       logging.warning("[jaxline_ng] The wall-clock budget of %gs is spent: stopping.",
                       self._budget_secs)
-      request_stop(f"the wall-clock budget of {self._budget_secs:g}s")
+      if self._agreed:
+        multihost.give_preemption_notice()
+      else:
+        request_stop(f"the wall-clock budget of {self._budget_secs:g}s")
     if self._agreed:
       if multihost.stop_agreed(step):
         raise Preempted(f"stopped after step {step}, the step every process agreed on "

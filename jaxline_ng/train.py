@@ -379,7 +379,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
         continue
     elif path is None and initial_weights_pending:
       state.global_step = 0
-    elif (stop_waiting is not None and stop_waiting()) or preemption.stop_requested():
+    elif (stop_waiting is not None and stop_waiting()) or _stop_evaluating():
       break
     else:
       time.sleep(poll_interval_secs)
@@ -405,6 +405,26 @@ def evaluate(experiment_class, config, checkpointer, writer,
   checkpointer.wait_for_checkpointing_to_finish()
   if writer is not None:
     writer.flush()
+
+
+# Written by the first process of a multi-process evaluation asked to stop.
+_EVAL_STOP_KEY = "jaxline_ng/eval_stop"
+
+
+def _stop_evaluating() -> bool:
+  """Whether a stop was requested here or, with several processes, in any of them.
+
+  The processes of a multi-process evaluation share its collectives, so the
+  first asked to stop tells the others through the distributed runtime's
+  key-value store; each looks there (one store read) whenever it waits for
+  a checkpoint.
+  """
+  if not multihost.is_multiprocess():
+    return preemption.stop_requested()
+  if preemption.stop_requested():
+    multihost.key_value_set(_EVAL_STOP_KEY, str(jax.process_index()), allow_existing=True)
+    return True
+  return multihost.key_value_try_get(_EVAL_STOP_KEY) is not None
 
 
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,

@@ -5,7 +5,8 @@ of them or both at different moments, the wall-clock budget (requested
 stops: every process stops after the same step, the chief saves it, all exit
 75 and the rerun continues exactly), a NaN only one process sees and an
 exception in one process (failures: every process exits 1 at once, nothing
-after the failure is saved). Each run has a timeout.
+after the failure is saved). A separate multi-process eval job stops in
+every process when one is signalled. Each run has a timeout.
 """
 
 import os
@@ -195,3 +196,17 @@ def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tm
   launch.wait_for(r"^\[p0\] .*Process 1 failed \(NonFiniteError: non-finite training scalars")
   # Process 1 stops after step 26, so no step after the NaN completes or is saved.
   assert all(step <= 20 for step in saved_steps(tmp_path)), saved_steps(tmp_path)
+
+
+def test_sigterm_to_one_process_of_an_eval_job_stops_every_process(tmp_path):
+  trained = run(toy(tmp_path, "--config.training_steps=20"))
+  assert trained.process.returncode == 0, trained.output
+  # The eval job would wait for step 1000's checkpoint forever.
+  launch = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
+                      "--config.eval_poll_interval_secs=0.2"))
+  pids = [launch.pid(0), launch.pid(1)]
+  for index in range(2):
+    launch.wait_for(rf"^\[p{index}\] .*eval step 20:")
+  os.kill(pids[1], signal.SIGTERM)
+  assert launch.finish() == 0, launch.output
+  assert launch.exit_codes() == [0, 0], launch.output
