@@ -150,10 +150,9 @@ def all_reduce_sum(tree: Any) -> Any:
 
 # The key-value store key the first failing process writes; every process watches it.
 _FAILURE_KEY = "jaxline_ng/failure"
-# A watcher's blocking read ends after this long and is renewed, so that at
-# exit the watcher is out of the read before JAX shuts its client down (a
-# thread inside it then aborts the process). Not a latency: a write wakes the
-# read at once.
+# A blocking read of the store ends after this long and is renewed, so that at
+# exit no thread is inside one when JAX shuts its client down (that aborts the
+# process). Not a latency: a write wakes the read at once.
 _WATCH_MS = 1000
 # How long the callbacks registered with `at_peer_failure` (pending saves,
 # writer flushes) may take before the process exits anyway: they can wait on
@@ -261,20 +260,17 @@ def exit_when_a_peer_fails() -> None:
   Without it a failed peer leaves this process waiting in a collective until
   the runtime's heartbeat times out (100 s), and the rest of the run with it.
   """
-  client = _key_value_store()
   done = threading.Event()
 
   def watch():
-    while not done.is_set():
-      try:
-        value = client.blocking_key_value_get(_FAILURE_KEY, _WATCH_MS)
-      except Exception as e:  # pylint: disable=broad-except
-        if "DEADLINE_EXCEEDED" in str(e):
-          continue
-        return  # The runtime is shutting down.
-      process, exit_code, message = value.split(" ", 2)
-      if int(process) == jax.process_index():
-        return  # This process published it and is exiting already.
+    try:
+      value = key_value_wait(_FAILURE_KEY, give_up=done.is_set)
+    except Exception:  # pylint: disable=broad-except
+      return  # The runtime is shutting down.
+    if value is None:
+      return
+    process, exit_code, message = value.split(" ", 2)
+    if int(process) != jax.process_index():  # Else this process is exiting already.
       _exit_for_peer(int(process), int(exit_code), message)
 
   watcher = threading.Thread(target=watch, name="jaxline_ng_peer_failure", daemon=True)
@@ -284,13 +280,15 @@ def exit_when_a_peer_fails() -> None:
     done.set()
     watcher.join()
 
-  # Runs before JAX's own shutdown, registered earlier by `initialize`.
+  # Runs before JAX's own shutdown of the runtime, registered when jax was imported.
   atexit.register(stop_watching)
 
 
 def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
   logging.error("[jaxline_ng] Process %d failed (%s); process %d exits with code %d too, "
-                "without saving.", process, message, jax.process_index(), exit_code)
+                "once the saves it made before are written.", process, message,
+                jax.process_index(), exit_code)
+
   def flush():
     for callback in _at_peer_failure:
       try:

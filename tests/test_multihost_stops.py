@@ -210,3 +210,22 @@ def test_sigterm_to_one_process_of_an_eval_job_stops_every_process(tmp_path):
   os.kill(pids[1], signal.SIGTERM)
   assert launch.finish() == 0, launch.output
   assert launch.exit_codes() == [0, 0], launch.output
+
+
+class _Ended:
+  def __init__(self, returncode):
+    self.returncode = returncode
+
+
+@pytest.mark.parametrize("codes, ended_at, expected", [
+    ([75, 75], [0, 1], (75, None)),  # Stopped on request.
+    ([0, 0], [0, 1], (0, None)),
+    ([75, 1], [0, 1], (1, 1)),  # A failure outranks a requested stop.
+    ([1, 1], [5, 2], (1, 1)),  # The first process to fail is the cause.
+    ([-9, 2], [0, 1], (2, 1)),  # An error exit before a death by signal.
+])
+def test_the_launcher_exits_75_only_when_every_process_stopped_on_request(codes, ended_at,
+                                                                            expected):
+  from jaxline_ng import launch as launch_lib  # pylint: disable=import-outside-toplevel
+  processes = [_Ended(code) for code in codes]
+  assert launch_lib._run_exit_code(processes, dict(enumerate(ended_at))) == expected  # pylint: disable=protected-access
