@@ -198,6 +198,22 @@ def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tm
   assert all(step <= 20 for step in saved_steps(tmp_path)), saved_steps(tmp_path)
 
 
+def test_train_eval_multithreaded_evaluates_the_agreed_step_and_stops_with_training(tmp_path):
+  # In-memory checkpoints: with disk ones each process's evaluator restores
+  # on its own, which orbax cannot do across processes (it fails before this
+  # change too).
+  command = toy(tmp_path, PACED, "--jaxline_mode=train_eval_multithreaded")
+  launch = Launch([arg for arg in command if arg != "--config.checkpointer=disk"])
+  pid = launch.pid(1)
+  launch.wait_for(r"^\[p0\] .*eval step 20:")
+  os.kill(pid, signal.SIGTERM)
+  assert launch.finish() == 75, launch.output
+  assert launch.exit_codes() == [75, 75], launch.output
+  agreed = launch.agreed_steps()
+  assert agreed[0] == agreed[1] < STEPS, launch.output
+  launch.wait_for(rf"^\[p0\] .*eval step {agreed[0]}:")
+
+
 def test_sigterm_to_one_process_of_an_eval_job_stops_every_process(tmp_path):
   trained = run(toy(tmp_path, "--config.training_steps=20"))
   assert trained.process.returncode == 0, trained.output
