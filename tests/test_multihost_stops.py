@@ -146,17 +146,19 @@ def _stop_then_resume_exactly(run_dir, uninterrupted, launch: Launch) -> int:
   return agreed[0]
 
 
-@pytest.mark.parametrize("signalled", [[1], [0], [0, 1]],
-                         ids=["process_1_only", "process_0_only", "both_half_a_second_apart"])
-def test_sigterm_to_some_processes_stops_all_after_one_agreed_step(
-    tmp_path, uninterrupted, signalled):
+@pytest.mark.parametrize("signalled, signum", [
+    ([1], signal.SIGTERM), ([0], signal.SIGTERM), ([0, 1], signal.SIGTERM),
+    ([1], signal.SIGINT)],
+    ids=["process_1_only", "process_0_only", "both_half_a_second_apart", "ctrl_c_to_process_1"])
+def test_a_signal_to_some_processes_stops_all_after_one_agreed_step(
+    tmp_path, uninterrupted, signalled, signum):
   launch = Launch(toy(tmp_path, PACED))
   pids = [launch.pid(0), launch.pid(1)]
   launch.wait_for(r"^\[p0\] .*step (3\d|[4-9]\d|\d\d\d)/")
   for i, index in enumerate(signalled):
     if i:
       time.sleep(0.5)
-    os.kill(pids[index], signal.SIGTERM)
+    os.kill(pids[index], signum)
   _stop_then_resume_exactly(tmp_path, uninterrupted, launch)
 
 
