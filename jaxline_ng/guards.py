@@ -25,18 +25,26 @@ of training speed; this design costs a deque append per step.
 import collections
 import math
 import threading
-from typing import Any, Mapping, Optional
+import time
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import numpy as np
 from absl import logging
 
 from jaxline_ng import devices
+from jaxline_ng import multihost
 
 POLICIES = ("halt", "warn", "off")
 # Steps whose scalars may wait for a check; past this, the loop reads the
 # newest step's scalars itself (one read per this many steps).
 MAX_UNCHECKED = 1000
+# PeerChecks' keys: the chief's n-th save announces its step, every other
+# process answers with its verdict.
+_SAVE_KEY = "jaxline_ng/save/{}"
+_VERDICT_KEY = "jaxline_ng/verdict/{}/{}"
+# How often a verdict waits to see whether the loop has run the step asked about.
+_VERDICT_POLL_SECS = 0.01
 
 
 class NonFiniteError(FloatingPointError):
@@ -75,8 +83,10 @@ class NonFiniteGuard:
     self._bad_seen_at: Optional[int] = None  # A step an observer saw non-finite.
     self._failure: Optional[NonFiniteError] = None
     self._failed_step: Optional[int] = None
+    self._newest_step = -1  # For `verdict_through`, on another thread.
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
+    self._newest_step = step
     if self._failure is not None:
       raise self._failure
     if self._policy == "off" or not scalars:
@@ -98,16 +108,37 @@ class NonFiniteGuard:
     else:
       self._forget_up_to(step)
 
-  def seal(self) -> "SealedCheck":
+  def seal(self, then: Optional[Callable[[], None]] = None) -> "SealedCheck":
     """A check of every step so far, to run before saving them (on any thread).
 
     It reads the newest step's scalars (waiting for that step) and, if one
     is not finite, the earlier unchecked ones to name the first bad step;
     it raises `NonFiniteError` under "halt". Later steps never affect it.
+    If it passes, it runs `then` (the other processes' checks), which may
+    veto the save by raising.
     """
     with self._lock:
       steps = list(self._unchecked)
-    return SealedCheck(self, steps)
+    return SealedCheck(self, steps, then)
+
+  def verdict_through(self, step: int, give_up: Callable[[], bool]) -> str:
+    """Checks every step up to `step` once the loop has run it: "ok", or why not.
+
+    For another thread (`PeerChecks`); a "halt" failure found here is also
+    raised by the loop at its next step. "stopped" if `give_up()` turns
+    true first.
+    """
+    while self._newest_step < step:
+      if give_up():
+        return "stopped"
+      time.sleep(_VERDICT_POLL_SECS)
+    with self._lock:
+      steps = [entry for entry in self._unchecked if entry[0] <= step]
+    try:
+      self._check_sealed(steps, None)
+    except NonFiniteError as e:
+      return str(e)
+    return "ok"
 
   def check(self) -> None:
     """Checks every step so far; raises (halt) or logs (warn) on the first bad one."""
@@ -166,13 +197,85 @@ class NonFiniteGuard:
 class SealedCheck:
   """`NonFiniteGuard.seal()`'s check of the steps up to a save; call it to run it."""
 
-  def __init__(self, guard: NonFiniteGuard, steps: list[tuple[int, Any]]):
+  def __init__(self, guard: NonFiniteGuard, steps: list[tuple[int, Any]],
+               then: Optional[Callable[[], None]] = None):
     self._guard = guard
     self._steps = steps
+    self._then = then
 
   def __call__(self, newest_host: Optional[Any] = None) -> None:
     """Runs the check; `newest_host` is the newest step's scalars if already read."""
     self._guard._check_sealed(self._steps, newest_host)  # pylint: disable=protected-access
+    if self._then is not None:
+      self._then()
+
+
+class PeerFailedError(RuntimeError):
+  """Another process of the run failed or found a non-finite value: the save is not kept."""
+
+
+class PeerChecks:
+  """Multi-process runs: the chief saves a step once every process has checked it.
+
+  Each process's guard sees only its own scalars, and a value one process
+  alone returns (a per-process metric) can be non-finite there only. So
+  before writing step s the chief's save worker announces s in the
+  distributed runtime's key-value store (`before_save`) and waits for each
+  other process's verdict on its own steps up to s; those answer from a
+  thread of their own (`answer`) once their loop has run step s. A verdict
+  other than "ok", or a failure published meanwhile, vetoes the save; the
+  process that found a non-finite value then fails the run. It costs, per
+  save, one store write and read per process and each process's read of
+  its newest scalars, all off the loops' threads.
+  """
+
+  def __init__(self, guard: NonFiniteGuard):
+    self._guard = guard
+    self._saves = 0
+    self._closed = threading.Event()
+    self._answering: Optional[threading.Thread] = None
+
+  def before_save(self, step: int) -> Callable[[], None]:
+    """The chief's wait for every other process's verdict on `step`, to run before writing it."""
+
+    def agree():
+      index = self._saves  # Saves are checked in order, on one worker.
+      self._saves += 1
+      multihost.key_value_set(_SAVE_KEY.format(index), str(step))
+      for process in range(jax.process_count()):
+        if process == jax.process_index():
+          continue
+        verdict = multihost.key_value_wait(_VERDICT_KEY.format(index, process),
+                                           give_up=lambda: multihost.published_failure() is not None)
+        if verdict is None:
+          verdict = multihost.published_failure().split(" ", 2)[2]
+        if verdict != "ok":
+          logging.warning("[jaxline_ng] Not saving step %d: process %d: %s", step, process, verdict)
+          raise PeerFailedError(f"process {process}: {verdict}")
+
+    return agree
+
+  def answer(self) -> None:
+    """Starts answering the chief's saves with this process's verdicts (non-chief processes)."""
+
+    def serve():
+      index = 0
+      while True:
+        step = multihost.key_value_wait(_SAVE_KEY.format(index), give_up=self._closed.is_set)
+        if step is None:
+          return
+        verdict = self._guard.verdict_through(int(step), give_up=self._closed.is_set)
+        multihost.key_value_set(_VERDICT_KEY.format(index, jax.process_index()), verdict)
+        index += 1
+
+    self._answering = threading.Thread(target=serve, name="jaxline_ng_peer_checks", daemon=True)
+    self._answering.start()
+
+  def close(self) -> None:
+    """Stops answering (after the chief's last save); returns once the thread ended."""
+    self._closed.set()
+    if self._answering is not None:
+      self._answering.join()
 
 
 def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:

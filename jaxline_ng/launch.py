@@ -6,9 +6,15 @@
 Each process gets `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
 `JAX_PROCESS_ID` (which `platform.main` reads to start JAX's distributed
 runtime) and `devices_per_process` fake CPU devices. Their output is
-interleaved line by line, each line prefixed `[p<i>]`. When a process fails,
-the others are stopped and the launcher exits with the failed process's exit
-code; it exits 0 when every process does.
+interleaved line by line, each line prefixed `[p<i>]`; the launcher's own
+lines (`[launch]`) give each process's pid at the start, to signal one of
+them, and each exit code at the end.
+
+The processes of a jaxline_ng run end together (`jaxline_ng.multihost`):
+the launcher waits for all of them and exits with 75 when the run was
+stopped on request (every process exited 75), with the code of the process
+that failed first otherwise, and 0 when every process did. Processes still
+running well after another ended are stopped.
 """
 
 import argparse
@@ -23,6 +29,14 @@ import time
 # How long stopped processes get to exit on SIGTERM before SIGKILL. Short: a
 # process whose peer died may wait on a collective that will never complete.
 _STOP_GRACE_SECS = 5.0
+# jaxline_ng.preemption.EXIT_PREEMPTED (not imported: that would import JAX here).
+_EXIT_PREEMPTED = 75
+# How long the others get to end on their own once a process has ended: they
+# agree on a stop within seconds, but the chief's final save may take longer.
+_PEERS_END_SECS = 30.0
+# The same after a failure: the others learn of it at once, and finish the
+# saves made before it within multihost's bound (10 s).
+_PEERS_FAIL_SECS = 15.0
 
 
 def _free_port() -> int:
@@ -51,17 +65,24 @@ def _stop(processes) -> None:
       process.wait()
 
 
-def _first_failure(processes) -> tuple[int, int] | None:
-  """(index, exit code) of the failed process to blame, or None.
+def _failed(code: int | None) -> bool:
+  return code not in (None, 0, _EXIT_PREEMPTED)
 
-  When a process dies, JAX's coordination service aborts its peers within
-  milliseconds, so several may have ended by one poll. An error exit (code > 0)
-  is the cause; deaths by signal (code < 0) are taken as its consequence.
+
+def _run_exit_code(processes, ended_at: dict[int, float]) -> tuple[int, int | None]:
+  """The run's exit code, and the index of the process it blames (None if no failure).
+
+  The process that failed first is the cause: the others exit with its code
+  when they learn of it, or are killed. An error exit (code > 0) is preferred
+  to a death by signal (code < 0), which may be a consequence.
   """
-  failed = [(i, p.returncode) for i, p in enumerate(processes) if p.returncode not in (None, 0)]
-  if not failed:
-    return None
-  return min(failed, key=lambda failure: (failure[1] < 0, failure[0]))
+  failed = [i for i, p in enumerate(processes) if _failed(p.returncode)]
+  if failed:
+    index = min(failed, key=lambda i: (processes[i].returncode < 0, ended_at[i], i))
+    return processes[index].returncode, index
+  if any(p.returncode == _EXIT_PREEMPTED for p in processes):
+    return _EXIT_PREEMPTED, None
+  return 0, None
 
 
 def launch(command: list[str], num_processes: int, devices_per_process: int,
@@ -86,25 +107,41 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     relay.start()
     relays.append(relay)
 
-  exit_code = 0
+  for index, process in enumerate(processes):
+    with lock:
+      print(f"[launch] process {index}: pid {process.pid}", flush=True)
+
+  ended_at: dict[int, float] = {}
   try:
-    while _first_failure(processes) is None:
-      running = [p for p in processes if p.poll() is None]  # Polls every process.
-      if not running:
-        break
+    while len(ended_at) < len(processes):
+      now = time.monotonic()
+      for index, process in enumerate(processes):
+        if index not in ended_at and process.poll() is not None:
+          ended_at[index] = now
+      if ended_at:
+        patience = (_PEERS_FAIL_SECS if any(_failed(p.returncode) for p in processes)
+                    else _PEERS_END_SECS)
+        if now - min(ended_at.values()) > patience:
+          with lock:
+            print(f"[launch] processes still running {patience:g}s after one ended; "
+                  "stopping them", flush=True)
+          _stop(processes)
+          break
       time.sleep(0.05)
-    failure = _first_failure(processes)
-    if failure is not None:
-      index, exit_code = failure
-      with lock:
-        print(f"[launch] process {index} failed with exit code {exit_code}; "
-              "stopping the others", flush=True)
-      _stop(processes)
   except KeyboardInterrupt:
+    # The processes had the SIGINT too: they agree on a step and stop; this
+    # bounds how long the launcher waits for them.
     _stop(processes)
-    exit_code = 130
+  for index, process in enumerate(processes):
+    ended_at.setdefault(index, time.monotonic())
+  exit_code, blamed = _run_exit_code(processes, ended_at)
   for relay in relays:
     relay.join(timeout=5)
+  with lock:
+    print("[launch] exit codes: " + ", ".join(
+        f"process {i}: {p.returncode}" for i, p in enumerate(processes)), flush=True)
+    if blamed is not None:
+      print(f"[launch] process {blamed} failed with exit code {exit_code}", flush=True)
   return exit_code
 
 

@@ -11,10 +11,22 @@ Within a run, `jax.local_devices()` are this process's devices; a pmap maps
 over them and its collectives (`psum`, `pmean`) reduce over every process's
 devices. Process 0 is the chief: it writes summaries and checkpoints unless a
 `*_all_hosts` config key says otherwise.
+
+Processes stop together. A requested stop (SIGTERM to any process, Ctrl-C,
+the wall-clock budget) goes through JAX's preemption service: every process
+learns of it and they agree on the step to stop after (`stop_agreed`). A
+failure in one process is published in the distributed runtime's key-value
+store, and every other process exits at once with the same code
+(`exit_when_a_peer_fails`), instead of waiting in a collective that will
+never complete.
 """
 
+import atexit
 import os
-from typing import Any
+import signal
+import sys
+import threading
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -134,3 +146,160 @@ def all_reduce_sum(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
   gathered = multihost_utils.process_allgather(tree)
   return jax.tree.map(lambda x: np.asarray(x).sum(axis=0), gathered)
+
+
+# The key-value store key the first failing process writes; every process watches it.
+_FAILURE_KEY = "jaxline_ng/failure"
+# A blocking read of the store ends after this long and is renewed, so that at
+# exit no thread is inside one when JAX shuts its client down (that aborts the
+# process). Not a latency: a write wakes the read at once.
+_WATCH_MS = 1000
+# How long the callbacks registered with `at_peer_failure` (pending saves,
+# writer flushes) may take before the process exits anyway: they can wait on
+# a step that a dead peer's collective blocks.
+_PEER_FAILURE_FLUSH_SECS = 10.0
+_at_peer_failure: list[Callable[[], None]] = []
+
+
+def is_multiprocess() -> bool:
+  """Whether JAX's distributed runtime runs with more than one process."""
+  return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _key_value_store():
+  # JAX has no public handle on its runtime's key-value store (orbax reads this
+  # same one); jaxline_ng only calls its get and set methods.
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  return distributed.global_state.client
+
+
+def give_preemption_notice() -> None:
+  """Starts JAX's preemption protocol from this process, as the scheduler's SIGTERM does.
+
+  `jax.distributed.initialize` installs JAX's SIGTERM handler, which is how
+  its preemption service hears of a notice; signalling this process is the
+  public way to give one.
+  """
+  os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_agreed(step: int) -> bool:
+  """Whether every process agreed to stop now, after `step` steps.
+
+  JAX's preemption sync point: once any process has a preemption notice,
+  each reports the last step it passed here and all agree on the step after
+  the furthest; this returns True on every process at that step. Call it
+  with the step training starts from, then after every step. Until a notice
+  arrives it sets a counter under a lock: no communication.
+  """
+  return multihost_utils.reached_preemption_sync_point(step)
+
+
+def at_peer_failure(callback: Callable[[], None]) -> None:
+  """Runs `callback` (e.g. a writer flush) before exiting because another process failed."""
+  _at_peer_failure.append(callback)
+
+
+def publish_failure(message: str, exit_code: int) -> None:
+  """Tells every other process this one failed; they exit with `exit_code` too."""
+  try:
+    _key_value_store().key_value_set(
+        _FAILURE_KEY, f"{jax.process_index()} {exit_code} {message}")
+  except Exception:  # pylint: disable=broad-except
+    # Another process's failure came first (the key exists), or the runtime
+    # is gone; either way the others hear of a failure or are already ending.
+    logging.warning("[jaxline_ng] Could not publish this process's failure; "
+                    "another process's failure may have come first.")
+
+
+def key_value_set(key: str, value: str, allow_existing: bool = False) -> None:
+  """Writes `key` once in the distributed runtime's key-value store.
+
+  With `allow_existing`, a key another process wrote first is left as it is.
+  """
+  try:
+    _key_value_store().key_value_set(key, value)
+  except Exception as e:  # pylint: disable=broad-except
+    if not (allow_existing and "ALREADY_EXISTS" in str(e)):
+      raise
+
+
+def key_value_wait(key: str, give_up: Callable[[], bool]) -> str | None:
+  """The value of `key` once some process writes it, or None once `give_up()` is true.
+
+  `give_up` is asked every `_WATCH_MS`; a write ends the wait at once.
+  """
+  client = _key_value_store()
+  while not give_up():
+    try:
+      return client.blocking_key_value_get(key, _WATCH_MS)
+    except Exception as e:  # pylint: disable=broad-except
+      if "DEADLINE_EXCEEDED" not in str(e):
+        raise
+  return None
+
+
+def key_value_try_get(key: str) -> str | None:
+  """The value of `key` if some process wrote it, else None; one store read."""
+  try:
+    return _key_value_store().key_value_try_get(key)
+  except Exception as e:  # pylint: disable=broad-except
+    if "NOT_FOUND" in str(e):
+      return None
+    raise
+
+
+def published_failure() -> str | None:
+  """The failure a process published (`process code message`), or None; one store read."""
+  return key_value_try_get(_FAILURE_KEY)
+
+
+def exit_when_a_peer_fails() -> None:
+  """Starts a daemon thread that ends this process when another process publishes a failure.
+
+  Without it a failed peer leaves this process waiting in a collective until
+  the runtime's heartbeat times out (100 s), and the rest of the run with it.
+  """
+  done = threading.Event()
+
+  def watch():
+    try:
+      value = key_value_wait(_FAILURE_KEY, give_up=done.is_set)
+    except Exception:  # pylint: disable=broad-except
+      return  # The runtime is shutting down.
+    if value is None:
+      return
+    process, exit_code, message = value.split(" ", 2)
+    if int(process) != jax.process_index():  # Else this process is exiting already.
+      _exit_for_peer(int(process), int(exit_code), message)
+
+  watcher = threading.Thread(target=watch, name="jaxline_ng_peer_failure", daemon=True)
+  watcher.start()
+
+  def stop_watching():
+    done.set()
+    watcher.join()
+
+  # Runs before JAX's own shutdown of the runtime, registered when jax was imported.
+  atexit.register(stop_watching)
+
+
+def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
+  logging.error("[jaxline_ng] Process %d failed (%s); process %d exits with code %d too, "
+                "once the saves it made before are written.", process, message,
+                jax.process_index(), exit_code)
+
+  def flush():
+    for callback in _at_peer_failure:
+      try:
+        callback()
+      except Exception:  # pylint: disable=broad-except  (the peer's failure is the news)
+        logging.exception("[jaxline_ng] While exiting after process %d failed:", process)
+
+  flushing = threading.Thread(target=flush, daemon=True)
+  flushing.start()
+  flushing.join(timeout=_PEER_FAILURE_FLUSH_SECS)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(exit_code)  # pylint: disable=protected-access  (the main thread may never return)

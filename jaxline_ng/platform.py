@@ -119,7 +119,10 @@ def create_writer(config, mode: str):
   logdir = os.path.join(config.checkpoint_dir, mode)
   if not multihost.is_chief():
     logdir = os.path.join(logdir, f"process_{jax.process_index()}")
-  return writers.make_writer(logdir, use_async=config.log_async)
+  writer = writers.make_writer(logdir, use_async=config.log_async)
+  if multihost.is_multiprocess():
+    multihost.at_peer_failure(writer.flush)
+  return writer
 
 
 def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
@@ -182,6 +185,9 @@ def enable_compilation_cache(config) -> None:
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
   checkpointer = checkpointer_factory(config, mode)
+  if multihost.is_multiprocess():
+    # Saves made before another process failed still land (later ones are vetoed).
+    multihost.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
   if mode == "train":
     writer = _writer_and_record(config, "train")
     try:
@@ -228,32 +234,42 @@ def main(experiment_class, argv: Sequence[str],
     raise SystemExit("jaxline_ng: error: --config is required (a config file: path.py[:arg])")
   mode = _MODE.value
   try:
-    multihost.initialize_if_requested()
+    if multihost.initialize_if_requested():
+      multihost.exit_when_a_peer_fails()
     base_config.validate_config(config)
     check_mode(mode)
     enable_compilation_cache(config)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
-    with preemption.stop_on_signals(), debugging.eager_if_requested():
+    # Training processes agree on stops through JAX's preemption service,
+    # which takes SIGTERM as its notice.
+    sigterm_to_jax = multihost.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
+    with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
   except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError) as e:
+    if multihost.is_multiprocess():
+      print(f"jaxline_ng: error: {e}", file=sys.stderr)
+      _exit_now_on_failure(f"{type(e).__name__}: {e}", with_traceback=False)
     raise SystemExit(f"jaxline_ng: error: {e}") from None
   except preemption.Preempted:
     raise SystemExit(preemption.EXIT_PREEMPTED) from None
-  except Exception:  # pylint: disable=broad-except
-    if jax.process_count() > 1:
-      _exit_now_on_failure()
+  except Exception as e:  # pylint: disable=broad-except
+    if multihost.is_multiprocess():
+      _exit_now_on_failure(f"{type(e).__name__}: {e}")
     raise
 
 
-def _exit_now_on_failure() -> None:
-  """Ends a failed process of a multi-process run without a graceful shutdown.
+def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:
+  """Ends a failed process of a multi-process run, and with it the others.
 
-  JAX's distributed shutdown at interpreter exit waits for every process, and
-  the others are blocked in a collective waiting for this one: exiting
-  normally would hang the whole run. The writers were closed on the way out.
+  The failure is published first (`multihost.publish_failure`), so every
+  other process exits with the same code at once. This one skips the
+  graceful shutdown: JAX's distributed shutdown at interpreter exit waits for
+  every process, which would hang. The writers were closed on the way out.
   """
-  logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
-                    jax.process_index())
+  if with_traceback:
+    logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
+                      jax.process_index())
+  multihost.publish_failure(message.splitlines()[0] if message else "", 1)
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()

@@ -9,6 +9,13 @@ left incomplete and ignored on restore.
 The loop learns of the request through a periodic action (`StopCheck`), so
 experiments that override `train_loop` stop too, as long as they call their
 periodic actions after each step as jaxline's loop does.
+
+In a multi-process run every stop request is a preemption notice to JAX's
+preemption service (`multihost.stop_agreed`): SIGTERM reaches JAX's own
+handler, and Ctrl-C or the wall-clock budget give the notice themselves.
+The processes agree on a step, each stops after it, and the chief saves it.
+A second SIGTERM changes nothing there (JAX's handler keeps the notice); the
+scheduler's kill after its grace period ends the processes.
 """
 
 import contextlib
@@ -19,12 +26,16 @@ from typing import Optional
 
 from absl import logging
 
+from jaxline_ng import multihost
+
 # EX_TEMPFAIL from sysexits.h: "try again later". A scheduler script can
 # requeue a job that exits with it; the rerun resumes from `latest`.
 EXIT_PREEMPTED = 75
 
 _stop_requested = threading.Event()
 _reason = ["signal"]
+# Whether SIGTERM is left to JAX's preemption service (`stop_on_signals`).
+_notice_through_jax = [False]
 
 
 class Preempted(Exception):
@@ -32,9 +43,14 @@ class Preempted(Exception):
 
 
 def request_stop(reason: str) -> None:
-  """Asks the training loop to stop at the next step boundary."""
+  """Asks the training loop to stop at the next step boundary.
+
+  In a multi-process run, at the step every process agrees on.
+  """
   _reason[0] = reason
   _stop_requested.set()
+  if _notice_through_jax[0]:
+    multihost.give_preemption_notice()
 
 
 def stop_requested() -> bool:
@@ -62,21 +78,25 @@ def _on_signal(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_signals():
+def stop_on_signals(sigterm_to_jax: bool = False):
   """Within the block, SIGTERM and SIGINT request a stop; handlers restored after.
 
   Clears an earlier request first. Signal handlers can only be installed from
-  the main thread; elsewhere the block runs with the handlers it has.
+  the main thread; elsewhere the block runs with the handlers it has. With
+  `sigterm_to_jax` (training in a multi-process run) SIGTERM stays with JAX's
+  preemption service, and a stop request gives it the notice.
   """
   _stop_requested.clear()
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  signums = (signal.SIGTERM, signal.SIGINT)
+  signums = (signal.SIGINT,) if sigterm_to_jax else (signal.SIGTERM, signal.SIGINT)
   previous = {signum: signal.signal(signum, _on_signal) for signum in signums}
+  _notice_through_jax[0] = sigterm_to_jax
   try:
     yield
   finally:
+    _notice_through_jax[0] = False
     for signum, handler in previous.items():
       signal.signal(signum, handler)
 
@@ -87,18 +107,38 @@ class StopCheck:
   Runs after the state already counts the finished step, so what `train`
   saves next is exactly the state after that step. With `budget_secs`, it
   also requests the stop itself once that much time has passed since it was
-  made (`config.wall_clock_budget_secs`).
+  made (`config.wall_clock_budget_secs`); in a multi-process run the chief's
+  clock alone decides.
+
+  In a multi-process run it raises at the step the processes agreed on;
+  `start_step` (the step this run resumed from, the same on every process)
+  tells JAX's sync point where the count starts, so a notice given before
+  the first step stops the run after it.
   """
 
-  def __init__(self, budget_secs: Optional[float] = None):
+  def __init__(self, budget_secs: Optional[float] = None, start_step: int = 0):
     self._budget_secs = budget_secs
+    self._agreed = multihost.is_multiprocess()
+    if self._agreed:
+      multihost.stop_agreed(start_step)
+    if self._agreed and not multihost.is_chief():
+      budget_secs = None
     self._deadline = None if budget_secs is None else time.monotonic() + budget_secs
 
   def __call__(self, t: float, step: int, scalars) -> None:
     if self._deadline is not None and time.monotonic() >= self._deadline:
       self._deadline = None
-      request_stop(f"the wall-clock budget of {self._budget_secs:g}s")
-    if _stop_requested.is_set():
+      logging.warning("[jaxline_ng] The wall-clock budget of %gs is spent: stopping.",
+                      self._budget_secs)
+      if self._agreed:
+        multihost.give_preemption_notice()
+      else:
+        request_stop(f"the wall-clock budget of {self._budget_secs:g}s")
+    if self._agreed:
+      if multihost.stop_agreed(step):
+        raise Preempted(f"stopped after step {step}, the step every process agreed on "
+                        "after a preemption notice")
+    elif _stop_requested.is_set():
       raise Preempted(f"stopped by {_reason[0]} after step {step}")
 
   def finish(self) -> None:

@@ -98,7 +98,8 @@ class _SaveAction(periodic.PeriodicAction):
 
 
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
-                              guard: guards.NonFiniteGuard):
+                              guard: guards.NonFiniteGuard,
+                              peer_checks: Optional[guards.PeerChecks] = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
   The guard sees what logging and writing copy to the host, and each save
@@ -151,7 +152,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     if "checkpoint" in actions:
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if validates:
-      checkpointer.save("latest", validate=guard.seal())
+      checkpointer.save("latest", validate=guard.seal(
+          then=peer_checks and peer_checks.before_save(state.global_step)))
     else:
       guard.check()
       checkpointer.save("latest")
@@ -204,12 +206,20 @@ def train(experiment_class, config, checkpointer, writer,
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
   guard = guards.NonFiniteGuard(config.non_finite_policy)
+  # With several processes the chief's saves wait for the others' guards
+  # (unless every process saves its own checkpoints).
+  peer_checks = None
+  if multihost.is_multiprocess() and not config.train_checkpoint_all_hosts:
+    peer_checks = guards.PeerChecks(guard)
+    if not save_checkpoints:
+      peer_checks.answer()
   default_actions, save_latest = _default_periodic_actions(
-      config, checkpointer, writer, state, save_checkpoints, guard)
+      config, checkpointer, writer, state, save_checkpoints, guard, peer_checks)
   for action in periodic_actions:  # As jaxline: the caller's actions count from now.
     if hasattr(action, "update_time"):
       action.update_time(time.time(), state.global_step)
-  own_actions = [*default_actions.values(), preemption.StopCheck(config.wall_clock_budget_secs)]
+  own_actions = [*default_actions.values(),
+                 preemption.StopCheck(config.wall_clock_budget_secs, start_step=state.global_step)]
   if config.profile_steps:
     own_actions.append(profiling.ProfileWindow(
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
@@ -245,7 +255,10 @@ def train(experiment_class, config, checkpointer, writer,
   # --- Wrap-up: wait for async work. ---
   checkpointer.wait_for_checkpointing_to_finish()
   flush_if_possible(writer)
+  # The other processes answer the chief's checks until it has saved.
   multihost.rendezvous("jaxline_ng_train_end")
+  if peer_checks is not None:
+    peer_checks.close()
   if preempted is not None:
     raise preempted
 
@@ -368,7 +381,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
         continue
     elif path is None and initial_weights_pending:
       state.global_step = 0
-    elif (stop_waiting is not None and stop_waiting()) or preemption.stop_requested():
+    elif (stop_waiting is not None and stop_waiting()) or _stop_evaluating():
       break
     else:
       time.sleep(poll_interval_secs)
@@ -401,6 +414,26 @@ def flush_if_possible(writer) -> None:
   flush = getattr(writer, "flush", None)
   if flush is not None:
     flush()
+
+
+# Written by the first process of a multi-process evaluation asked to stop.
+_EVAL_STOP_KEY = "jaxline_ng/eval_stop"
+
+
+def _stop_evaluating() -> bool:
+  """Whether a stop was requested here or, with several processes, in any of them.
+
+  The processes of a multi-process evaluation share its collectives, so the
+  first asked to stop tells the others through the distributed runtime's
+  key-value store; each looks there (one store read) whenever it waits for
+  a checkpoint.
+  """
+  if not multihost.is_multiprocess():
+    return preemption.stop_requested()
+  if preemption.stop_requested():
+    multihost.key_value_set(_EVAL_STOP_KEY, str(jax.process_index()), allow_existing=True)
+    return True
+  return multihost.key_value_try_get(_EVAL_STOP_KEY) is not None
 
 
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,

@@ -45,3 +45,9 @@ def test_checkpoint_io_smoke(tmp_path):
   for key in ("save_vs_file_write", "restore_vs_file_read", "stall_vs_copy",
               "peak_host_memory_gib", "restart_cold_s", "restart_warm_s"):
     assert results[key] > 0, key
+
+
+def test_two_process_benchmark_smoke():
+  result = run_module("benchmarks.two_process", "--runs=1", "--steps=2000", timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+  assert "median steps/s over 1 windows:" in result.stdout

@@ -6,10 +6,12 @@ process takes its slice of a global batch, so 1 process x 4 devices and 2
 processes x 2 devices train on the same data. It runs in both placements:
 `--config.placement=mesh` trains the same math with `jax.jit` on a mesh, the
 parameters sharded over a `model` axis when the mesh has one. Config
-arguments: `:fail_at_step` makes step 3 raise (crash propagation).
+arguments: `:fail_at_step` makes step 3 raise (crash propagation). Config
+keys pace the steps and inject a failure or a NaN loss on one process.
 """
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,9 @@ def get_config(arg: str = ""):
       fail_at_step=3 if arg == "fail_at_step" else -1,
       fail_on_process=-1,  # With fail_at_step: only this process fails (-1: all).
       record_keys_dir="",  # Save each process's first step keys, and every mode's, here.
+      step_sleep_secs=0.0,  # Paces the steps, so a test can signal a run mid-way.
+      nan_from_step=-1,  # From this step on, the loss returned is NaN ...
+      nan_on_process=-1,  # ... on this process only (-1: all).
   )))
   config.lock()
   return config
@@ -93,7 +98,12 @@ class Experiment(experiment.AbstractExperiment):
       for mode in rng_lib.RANDOM_MODES:
         keys[mode] = np.asarray(rng_lib.eval_keys(0, mode))
       np.savez(f"{self.config.record_keys_dir}/keys_p{jax.process_index()}.npz", **keys)
+    if self.config.step_sleep_secs:
+      time.sleep(self.config.step_sleep_secs)
     self._params, loss = self._update(self._params, self._batch(step))
+    if 0 <= self.config.nan_from_step <= step and self.config.nan_on_process in (
+        -1, jax.process_index()):
+      loss = loss * jnp.nan
     return {"loss": loss if self._mesh is not None else utils.get_first(loss)}
 
   def evaluate(self, global_step, rng, writer):

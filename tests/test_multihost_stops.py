@@ -1,0 +1,249 @@
+"""Multi-process runs stop together: real 2-process runs over loopback via jaxline_ng.launch.
+
+Every reason to stop is agreed across the processes: a SIGTERM reaching one
+of them or both at different moments, the wall-clock budget (requested
+stops: every process stops after the same step, the chief saves it, all exit
+75 and the rerun continues exactly), a NaN only one process sees and an
+exception in one process (failures: every process exits 1 at once, nothing
+after the failure is saved). A separate multi-process eval job stops in
+every process when one is signalled. Each run has a timeout.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxline_ng import disk_checkpointing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join("tests", "experiments", "toy.py")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+STEPS = 300
+# Paces the interrupted runs: 300 steps take 6 s or more, so a signal sent
+# after step 30 lands mid-run.
+PACED = "--config.experiment_kwargs.config.step_sleep_secs=0.02"
+TIMEOUT_SECS = 150
+
+
+def toy(checkpoint_dir, *extra):
+  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
+          "--config.checkpointer=disk", f"--config.training_steps={STEPS}", *extra]
+
+
+class Launch:
+  """A `jaxline_ng.launch` run of 2 processes x 2 devices, its output collected as it comes."""
+
+  def __init__(self, command):
+    self.process = subprocess.Popen(
+        [sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
+         "--devices_per_process=2", "--", *command],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.lines: list[str] = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+    self._deadline = time.monotonic() + TIMEOUT_SECS
+
+  def _read(self):
+    for line in self.process.stdout:
+      self.lines.append(line.rstrip("\n"))
+
+  @property
+  def output(self) -> str:
+    return "\n".join(self.lines[-150:])
+
+  def wait_for(self, pattern: str) -> re.Match:
+    while time.monotonic() < self._deadline:
+      for line in list(self.lines):
+        match = re.search(pattern, line)
+        if match:
+          return match
+      if self.process.poll() is not None and not self._reader.is_alive():
+        break
+      time.sleep(0.05)
+    self.kill()
+    pytest.fail(f"no line matched {pattern!r}:\n{self.output}")
+
+  def pid(self, index: int) -> int:
+    return int(self.wait_for(rf"^\[launch\] process {index}: pid (\d+)").group(1))
+
+  def finish(self) -> int:
+    try:
+      self.process.wait(timeout=max(1.0, self._deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      self.kill()
+      pytest.fail(f"the run did not end within {TIMEOUT_SECS}s:\n{self.output}")
+    self._reader.join(timeout=10)
+    return self.process.returncode
+
+  def kill(self):
+    for index in range(2):
+      for line in self.lines:
+        match = re.search(rf"^\[launch\] process {index}: pid (\d+)", line)
+        if match:
+          try:
+            os.kill(int(match.group(1)), signal.SIGKILL)
+          except ProcessLookupError:
+            pass
+    self.process.kill()
+
+  def exit_codes(self) -> list[int]:
+    match = self.wait_for(r"^\[launch\] exit codes: process 0: (-?\d+), process 1: (-?\d+)")
+    return [int(match.group(1)), int(match.group(2))]
+
+  def agreed_steps(self) -> list[int]:
+    """The step each process says it stopped after, by process."""
+    return [int(self.wait_for(rf"^\[p{index}\] .*stopped after step (\d+), the step every "
+                              "process agreed on").group(1)) for index in range(2)]
+
+
+def run(command) -> Launch:
+  launch = Launch(command)
+  launch.finish()
+  return launch
+
+
+def latest(checkpoint_dir) -> tuple[int, np.ndarray]:
+  step, nest = disk_checkpointing.read(str(checkpoint_dir))
+  return step, np.asarray(nest["experiment_module"]["params"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The final parameters of a 2-process run of all the steps, never stopped."""
+  run_dir = tmp_path_factory.mktemp("uninterrupted")
+  launch = run(toy(run_dir))
+  assert launch.process.returncode == 0, launch.output
+  step, params = latest(run_dir)
+  assert step == STEPS
+  return params
+
+
+def _stop_then_resume_exactly(run_dir, uninterrupted, launch: Launch) -> int:
+  """Checks a requested stop ended together and saved the agreed step; resumes; that step."""
+  code = launch.finish()
+  assert code == 75, launch.output
+  assert launch.exit_codes() == [75, 75], launch.output
+  agreed = launch.agreed_steps()
+  assert agreed[0] == agreed[1] < STEPS, launch.output
+  step, _ = latest(run_dir)
+  assert step == agreed[0], launch.output
+
+  resumed = run(toy(run_dir, PACED))
+  assert resumed.process.returncode == 0, resumed.output
+  assert resumed.exit_codes() == [0, 0]
+  for index in range(2):
+    resumed.wait_for(rf"^\[p{index}\] .*Restored checkpoint .*latest{os.sep}{agreed[0]}\b")
+  step, params = latest(run_dir)
+  assert step == STEPS
+  np.testing.assert_array_equal(params, uninterrupted)
+  return agreed[0]
+
+
+@pytest.mark.parametrize("signalled, signum", [
+    ([1], signal.SIGTERM), ([0], signal.SIGTERM), ([0, 1], signal.SIGTERM),
+    ([1], signal.SIGINT)],
+    ids=["process_1_only", "process_0_only", "both_half_a_second_apart", "ctrl_c_to_process_1"])
+def test_a_signal_to_some_processes_stops_all_after_one_agreed_step(
+    tmp_path, uninterrupted, signalled, signum):
+  launch = Launch(toy(tmp_path, PACED))
+  pids = [launch.pid(0), launch.pid(1)]
+  launch.wait_for(r"^\[p0\] .*step (3\d|[4-9]\d|\d\d\d)/")
+  for i, index in enumerate(signalled):
+    if i:
+      time.sleep(0.5)
+    os.kill(pids[index], signum)
+  _stop_then_resume_exactly(tmp_path, uninterrupted, launch)
+
+
+def test_the_wall_clock_budget_stops_every_process_after_one_agreed_step(
+    tmp_path, uninterrupted):
+  launch = Launch(toy(tmp_path, PACED, "--config.wall_clock_budget_secs=2"))
+  launch.wait_for(r"^\[p0\] .*wall-clock budget of 2s is spent")
+  _stop_then_resume_exactly(tmp_path, uninterrupted, launch)
+
+
+def saved_steps(checkpoint_dir) -> list[int]:
+  series = os.path.join(str(checkpoint_dir), "checkpoints", "latest")
+  return sorted(int(name) for name in os.listdir(series) if name.isdigit())
+
+
+def test_an_exception_in_process_1_ends_every_process_with_its_code(tmp_path):
+  launch = run(toy(tmp_path, PACED, "--config.experiment_kwargs.config.fail_at_step=33",
+                   "--config.experiment_kwargs.config.fail_on_process=1"))
+  assert launch.process.returncode == 1, launch.output
+  assert launch.exit_codes() == [1, 1], launch.output
+  launch.wait_for(r"^\[p1\] .*RuntimeError: toy experiment fails at step 33")
+  launch.wait_for(r"^\[p0\] .*Process 1 failed \(RuntimeError: toy experiment fails at step 33\); "
+                  "process 0 exits with code 1 too")
+  launch.wait_for(r"^\[launch\] process 1 failed with exit code 1")
+  # Step 33 never completed, so no later step was saved.
+  assert all(step <= 30 for step in saved_steps(tmp_path)), saved_steps(tmp_path)
+  assert "stopping them" not in launch.output  # Process 0 ended on its own.
+
+
+def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tmp_path):
+  launch = run(toy(tmp_path, PACED, "--config.log_tensors_interval=1",
+                   "--config.experiment_kwargs.config.nan_from_step=25",
+                   "--config.experiment_kwargs.config.nan_on_process=1"))
+  assert launch.process.returncode == 1, launch.output
+  assert launch.exit_codes() == [1, 1], launch.output
+  launch.wait_for(r"^\[p1\] jaxline_ng: error: non-finite training scalars loss at step 26 ")
+  launch.wait_for(r"^\[p0\] .*Process 1 failed \(NonFiniteError: non-finite training scalars")
+  # Process 1 stops after step 26, so no step after the NaN completes or is saved.
+  assert all(step <= 20 for step in saved_steps(tmp_path)), saved_steps(tmp_path)
+
+
+def test_train_eval_multithreaded_evaluates_the_agreed_step_and_stops_with_training(tmp_path):
+  # In-memory checkpoints: with disk ones each process's evaluator restores
+  # on its own, which orbax cannot do across processes (it fails before this
+  # change too).
+  command = toy(tmp_path, PACED, "--jaxline_mode=train_eval_multithreaded")
+  launch = Launch([arg for arg in command if arg != "--config.checkpointer=disk"])
+  pid = launch.pid(1)
+  launch.wait_for(r"^\[p0\] .*eval step 20:")
+  os.kill(pid, signal.SIGTERM)
+  assert launch.finish() == 75, launch.output
+  assert launch.exit_codes() == [75, 75], launch.output
+  agreed = launch.agreed_steps()
+  assert agreed[0] == agreed[1] < STEPS, launch.output
+  launch.wait_for(rf"^\[p0\] .*eval step {agreed[0]}:")
+
+
+def test_sigterm_to_one_process_of_an_eval_job_stops_every_process(tmp_path):
+  trained = run(toy(tmp_path, "--config.training_steps=20"))
+  assert trained.process.returncode == 0, trained.output
+  # The eval job would wait for step 1000's checkpoint forever.
+  launch = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
+                      "--config.eval_poll_interval_secs=0.2"))
+  pids = [launch.pid(0), launch.pid(1)]
+  for index in range(2):
+    launch.wait_for(rf"^\[p{index}\] .*eval step 20:")
+  os.kill(pids[1], signal.SIGTERM)
+  assert launch.finish() == 0, launch.output
+  assert launch.exit_codes() == [0, 0], launch.output
+
+
+class _Ended:
+  def __init__(self, returncode):
+    self.returncode = returncode
+
+
+@pytest.mark.parametrize("codes, ended_at, expected", [
+    ([75, 75], [0, 1], (75, None)),  # Stopped on request.
+    ([0, 0], [0, 1], (0, None)),
+    ([75, 1], [0, 1], (1, 1)),  # A failure outranks a requested stop.
+    ([1, 1], [5, 2], (1, 1)),  # The first process to fail is the cause.
+    ([-9, 2], [0, 1], (2, 1)),  # An error exit before a death by signal.
+])
+def test_the_launcher_exits_75_only_when_every_process_stopped_on_request(codes, ended_at,
+                                                                            expected):
+  from jaxline_ng import launch as launch_lib  # pylint: disable=import-outside-toplevel
+  processes = [_Ended(code) for code in codes]
+  assert launch_lib._run_exit_code(processes, dict(enumerate(ended_at))) == expected  # pylint: disable=protected-access
