@@ -61,12 +61,11 @@ _PLAIN_VALUES = (bool, int, float, str)
 
 
 def _drop_orbax_info(record: python_logging.LogRecord) -> bool:
-  """Orbax logs each phase of every save at INFO; jaxline_ng logs saves itself."""
+  """A filter for absl's logger, added by the first DiskCheckpointer: orbax
+  logs each phase of every save at INFO through absl, a dozen lines a save,
+  and jaxline_ng logs each save in one line. Orbax's warnings pass."""
   return record.levelno >= python_logging.WARNING or \
       f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-logging.get_absl_logger().addFilter(_drop_orbax_info)
 
 
 class CheckpointFormatError(TypeError):
@@ -538,6 +537,7 @@ class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 
   def __init__(self, config, mode: str):
+    logging.get_absl_logger().addFilter(_drop_orbax_info)  # Once: addFilter skips repeats.
     # Train and eval processes share the series; each moves aside only
     # damaged checkpoints of the series it writes.
     self._writes = {"latest"} if mode in ("train", "train_eval_multithreaded") else {"best"}
