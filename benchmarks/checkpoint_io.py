@@ -104,6 +104,7 @@ def sequential_file(directory: str, size: int) -> dict:
 def state_io(gib: float, saves: int, directory: str) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   from jaxline_ng import base_config, disk_checkpointing, experiment, mesh, rng  # pylint: disable=import-outside-toplevel
 
   leaves = 16

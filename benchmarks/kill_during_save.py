@@ -28,6 +28,7 @@ def newest_loadable_step(checkpoint_dir: str) -> int:
   """Restores `latest` as a restarting run would; returns its step."""
   sys.path.insert(0, os.path.dirname(TOY))
   import toy  # pylint: disable=import-outside-toplevel
+
   from jaxline_ng import disk_checkpointing  # pylint: disable=import-outside-toplevel
   config = toy.get_config()
   config.checkpointer = "disk"

@@ -1,7 +1,7 @@
 """jaxline_ng's benchmarks: what the framework costs next to a hand-written loop.
 
     python -m benchmarks.run                 # full run, ~10 minutes on 2 CPU cores
-    python -m benchmarks.run --smoke         # a few steps of each, in one process (the suite's check)
+    python -m benchmarks.run --smoke         # a few steps of each, in one process (the suite's)
 
 Every measurement runs in worker processes on 4 fake CPU devices. A paired
 comparison runs A and B alternately inside each worker (A B, B A, ...;
@@ -50,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 4
@@ -75,16 +74,18 @@ def _timed_steps(warmup: int, steps: int):
 
 def _update_and_split(params, opt_state, batch, key):
   """The hand-written loops' step: the workload's update, splitting its key inside."""
-  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
+
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   next_key, step_key = jax.random.split(key)
   params, opt_state, loss = workloads.update(params, opt_state, batch, step_key)
   return params, opt_state, loss, next_key
 
 
 def _update_global_and_split(params, opt_state, batch, key):
-  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
+
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   next_key, step_key = jax.random.split(key)
   params, opt_state, loss = workloads.update_global(params, opt_state, batch, step_key)
   return params, opt_state, loss, next_key
@@ -108,6 +109,7 @@ def _hand_loop(update, params, opt_state, batch, key, warmup: int, steps: int,
 
 def worker_hand(warmup: int, steps: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
+
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   from jaxline_ng import devices, utils  # pylint: disable=import-outside-toplevel
   update = jax.pmap(_update_and_split, axis_name="i", donate_argnums=(0, 1))
@@ -121,6 +123,7 @@ def worker_hand(warmup: int, steps: int) -> dict:
 
 def worker_hand_jit(warmup: int, steps: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
+
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   from jaxline_ng import base_config, mesh  # pylint: disable=import-outside-toplevel
   config = base_config.get_base_config()
@@ -134,7 +137,7 @@ def worker_hand_jit(warmup: int, steps: int) -> dict:
 
 def worker_framework(warmup: int, steps: int, write_every_step: bool,
                      checkpoint_every: int, placement: str = "pmap",
-                     overrides: Optional[dict] = None) -> dict:
+                     overrides: dict | None = None) -> dict:
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   from jaxline_ng import base_config, checkpointing, train, writers  # pylint: disable=import-outside-toplevel
   config = base_config.get_base_config()
@@ -170,6 +173,7 @@ def worker_overhead(steps: int) -> dict:
   the device.
   """
   import jax  # pylint: disable=import-outside-toplevel
+
   from jaxline_ng import base_config, checkpointing, experiment, train  # pylint: disable=import-outside-toplevel
 
   class NoWork(experiment.AbstractExperiment):
@@ -197,6 +201,7 @@ def worker_overhead(steps: int) -> dict:
 
 def worker_save_stall(saves: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
+
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   from jaxline_ng import base_config, checkpointing, disk_checkpointing, rng  # pylint: disable=import-outside-toplevel
   results = {}
@@ -447,7 +452,8 @@ def main(argv=None) -> int:
   print(f"hand-written pmap loop: {loop['a_steps_per_sec_median']:.0f} steps/s, framework: "
         f"{loop['b_steps_per_sec_median']:.0f} steps/s; hand-written jit loop: "
         f"{loop_mesh['a_steps_per_sec_median']:.0f} steps/s, framework (mesh): "
-        f"{loop_mesh['b_steps_per_sec_median']:.0f} steps/s ({loop['pairs']} pairs x {steps} steps, "
+        f"{loop_mesh['b_steps_per_sec_median']:.0f} steps/s "
+        f"({loop['pairs']} pairs x {steps} steps, "
         f"{DEVICES} fake CPU devices)")
   print(f"results written to {args.out}")
   return 0

@@ -18,16 +18,15 @@ experiment object itself); both restore.
 import collections
 import os
 import threading
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
-from jaxline_ng import devices
-from jaxline_ng import periodic
-from jaxline_ng import rng
+from jaxline_ng import devices, periodic, rng
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
@@ -72,7 +71,7 @@ class Checkpointer(Protocol):
   def restore(self, ckpt_series: str) -> None:
     """Loads the newest checkpoint of `ckpt_series` into its live state."""
 
-  def restore_path(self, ckpt_series: str) -> Optional[Any]:
+  def restore_path(self, ckpt_series: str) -> Any | None:
     """An id of the newest checkpoint (changes when a new one is saved), or None."""
 
   def wait_for_checkpointing_to_finish(self) -> None:
@@ -124,7 +123,7 @@ class SaveWorker:
   def __init__(self, name: str):
     self._finish = periodic.make_async(name)(self._finish_one)
 
-  def submit(self, nest: dict[str, Any], validate: Optional[Callable[[], None]],
+  def submit(self, nest: dict[str, Any], validate: Callable[[], None] | None,
              persist: Callable[[dict[str, Any]], None]) -> None:
     self.wait()
     self._finish(nest, validate, persist)
@@ -195,7 +194,7 @@ class InMemoryCheckpointer:
       active.state = ExperimentState()
     return active.state
 
-  def save(self, ckpt_series: str, *, validate: Optional[Callable[[], None]] = None) -> None:
+  def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Snapshots the live state of `ckpt_series`; `validate()` may veto it by raising."""
     if validate is not None:
       validate()
@@ -225,7 +224,7 @@ class InMemoryCheckpointer:
     restore_snapshot(self.get_experiment_state(ckpt_series), nest)
     logging.info("[jaxline_ng] Restored in-memory checkpoint %s/%d.", ckpt_series, snapshot.id)
 
-  def restore_path(self, ckpt_series: str) -> Optional[int]:
+  def restore_path(self, ckpt_series: str) -> int | None:
     if not self.can_be_restored(ckpt_series):
       return None
     return global_checkpoint_dict()[ckpt_series].history[-1].id

@@ -30,14 +30,15 @@ reported and the one before it used; the training job then moves the bad
 one aside (kept, under `<series>.unusable/`) so later saves go past its step.
 """
 
+import concurrent.futures
 import hashlib
 import json
 import logging as python_logging
 import os
 import threading
 import time
-import concurrent.futures
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,11 +46,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxline_ng import base_config
-from jaxline_ng import checkpointing
-from jaxline_ng import devices
+from jaxline_ng import base_config, checkpointing, devices, multihost
 from jaxline_ng import mesh as mesh_lib
-from jaxline_ng import multihost
 
 FORMAT = 2
 _STATE_ITEM, _META_ITEM = "state", "meta"
@@ -465,7 +463,7 @@ def _load(path: str, live_nest: dict[str, Any],
 
 
 def read(checkpoint_dir: str, series: str = "latest",
-         step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
+         step: int | None = None) -> tuple[int, dict[str, Any]]:
   """Reads a checkpoint without an experiment: `(step, snapshot)`, arrays as NumPy.
 
   For scripts (exporting weights, comparing runs). Entries made of plain
@@ -560,7 +558,7 @@ class DiskCheckpointer:
     self._lock = threading.Lock()
     self._executor = concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="disk_checkpointer")
-    self._pending: Optional[concurrent.futures.Future] = None
+    self._pending: concurrent.futures.Future | None = None
 
   def _series_dir(self, ckpt_series: str) -> str:
     return os.path.join(self._root, ckpt_series)
@@ -608,7 +606,7 @@ class DiskCheckpointer:
       nest["experiment_module"] = dict(snapshot)
     return nest
 
-  def save(self, ckpt_series: str, *, validate: Optional[Callable[[], None]] = None) -> None:
+  def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Snapshots the live state on device now; writes it on a background thread.
 
     There `validate` runs first (the non-finite guard; if it raises, nothing
@@ -668,7 +666,7 @@ class DiskCheckpointer:
   def can_be_restored(self, ckpt_series: str) -> bool:
     return bool(self._candidates(ckpt_series))
 
-  def restore_path(self, ckpt_series: str) -> Optional[str]:
+  def restore_path(self, ckpt_series: str) -> str | None:
     candidates = self._candidates(ckpt_series)
     return candidates[0] if candidates else None
 
@@ -724,7 +722,8 @@ class DiskCheckpointer:
     for path in paths:
       target_dir = unusable_dir(os.path.dirname(path))
       os.makedirs(target_dir, exist_ok=True)
-      target = os.path.join(target_dir, f"{os.path.basename(path)}-{time.strftime('%Y%m%dT%H%M%S')}")
+      moved_at = time.strftime("%Y%m%dT%H%M%S")
+      target = os.path.join(target_dir, f"{os.path.basename(path)}-{moved_at}")
       os.rename(path, target)
       logging.warning("[jaxline_ng] Moved the unusable checkpoint %s to %s (kept for "
                       "inspection; saving continues past its step).", path, target)

@@ -18,14 +18,14 @@ import functools
 import inspect
 import math
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 from absl import logging
 
-from jaxline_ng import devices
+from jaxline_ng import devices, preemption
 from jaxline_ng import mesh as mesh_lib
-from jaxline_ng import preemption
 from jaxline_ng import rng as rng_lib
 
 Scalars = Mapping[str, Any]
@@ -37,7 +37,7 @@ class AbstractExperiment(abc.ABC):
   CHECKPOINT_ATTRS: Mapping[str, str] = {}
   NON_BROADCAST_CHECKPOINT_ATTRS: Mapping[str, str] = {}
 
-  def __init__(self, mode: str, init_rng: Optional[jax.Array] = None):
+  def __init__(self, mode: str, init_rng: jax.Array | None = None):
     """`init_rng` may be omitted by subclasses that call `super().__init__(mode=mode)`."""
     self.mode = mode
     self.init_rng = init_rng
@@ -50,7 +50,7 @@ class AbstractExperiment(abc.ABC):
     """
 
   @abc.abstractmethod
-  def evaluate(self, *, global_step: jax.Array, rng: jax.Array, writer) -> Optional[Scalars]:
+  def evaluate(self, *, global_step: jax.Array, rng: jax.Array, writer) -> Scalars | None:
     """Evaluates the current (restored) state and returns scalars."""
 
   def should_run_step(self, global_step: int, config) -> bool:

@@ -26,14 +26,14 @@ import collections
 import math
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import devices
-from jaxline_ng import multihost
+from jaxline_ng import devices, multihost
 
 POLICIES = ("halt", "warn", "off")
 # Steps whose scalars may wait for a check; past this, the loop reads the
@@ -80,9 +80,9 @@ class NonFiniteGuard:
     self._policy = policy
     self._unchecked: collections.deque[tuple[int, Any]] = collections.deque()
     self._lock = threading.Lock()  # Uncontended on the loop's thread: ~0.1 us.
-    self._bad_seen_at: Optional[int] = None  # A step an observer saw non-finite.
-    self._failure: Optional[NonFiniteError] = None
-    self._failed_step: Optional[int] = None
+    self._bad_seen_at: int | None = None  # A step an observer saw non-finite.
+    self._failure: NonFiniteError | None = None
+    self._failed_step: int | None = None
     self._newest_step = -1  # For `verdict_through`, on another thread.
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
@@ -108,7 +108,7 @@ class NonFiniteGuard:
     else:
       self._forget_up_to(step)
 
-  def seal(self, then: Optional[Callable[[], None]] = None) -> "SealedCheck":
+  def seal(self, then: Callable[[], None] | None = None) -> "SealedCheck":
     """A check of every step so far, to run before saving them (on any thread).
 
     It reads the newest step's scalars (waiting for that step) and, if one
@@ -144,7 +144,7 @@ class NonFiniteGuard:
     """Checks every step so far; raises (halt) or logs (warn) on the first bad one."""
     self.seal()()
 
-  def _check_sealed(self, steps: list[tuple[int, Any]], newest_host: Optional[Any]) -> None:
+  def _check_sealed(self, steps: list[tuple[int, Any]], newest_host: Any | None) -> None:
     # A save sealed before the bad step was found is judged on its own steps.
     if self._failure is not None and (not steps or steps[-1][0] >= self._failed_step):
       raise self._failure
@@ -198,12 +198,12 @@ class SealedCheck:
   """`NonFiniteGuard.seal()`'s check of the steps up to a save; call it to run it."""
 
   def __init__(self, guard: NonFiniteGuard, steps: list[tuple[int, Any]],
-               then: Optional[Callable[[], None]] = None):
+               then: Callable[[], None] | None = None):
     self._guard = guard
     self._steps = steps
     self._then = then
 
-  def __call__(self, newest_host: Optional[Any] = None) -> None:
+  def __call__(self, newest_host: Any | None = None) -> None:
     """Runs the check; `newest_host` is the newest step's scalars if already read."""
     self._guard._check_sealed(self._steps, newest_host)  # pylint: disable=protected-access
     if self._then is not None:
@@ -233,7 +233,7 @@ class PeerChecks:
     self._guard = guard
     self._saves = 0
     self._closed = threading.Event()
-    self._answering: Optional[threading.Thread] = None
+    self._answering: threading.Thread | None = None
 
   def before_save(self, step: int) -> Callable[[], None]:
     """The chief's wait for every other process's verdict on `step`, to run before writing it."""
@@ -246,7 +246,7 @@ class PeerChecks:
         if process == jax.process_index():
           continue
         verdict = multihost.key_value_wait(_VERDICT_KEY.format(index, process),
-                                           give_up=lambda: multihost.published_failure() is not None)
+            give_up=lambda: multihost.published_failure() is not None)
         if verdict is None:
           verdict = multihost.published_failure().split(" ", 2)[2]
         if verdict != "ok":

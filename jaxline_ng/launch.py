@@ -132,7 +132,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     # The processes had the SIGINT too: they agree on a step and stop; this
     # bounds how long the launcher waits for them.
     _stop(processes)
-  for index, process in enumerate(processes):
+  for index in range(len(processes)):
     ended_at.setdefault(index, time.monotonic())
   exit_code, blamed = _run_exit_code(processes, ended_at)
   for relay in relays:

@@ -18,7 +18,7 @@ spec, replication, and global batches assembled from per-process data.
 """
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -28,7 +28,7 @@ from jaxline_ng import multihost
 
 PLACEMENTS = ("pmap", "mesh")
 
-_active: list[Optional[Mesh]] = [None]
+_active: list[Mesh | None] = [None]
 
 
 def _parse_shape(mesh_shape) -> list[tuple[str, int]]:
@@ -75,7 +75,7 @@ def mesh_axes(mesh_shape) -> tuple[tuple[str, ...], tuple[int, ...]]:
   return names, tuple(sizes)
 
 
-def activate(config) -> Optional[Mesh]:
+def activate(config) -> Mesh | None:
   """Builds the mesh `config` asks for (or clears it, in pmap mode) and returns it."""
   if config.placement != "mesh":
     _active[0] = None
@@ -87,7 +87,7 @@ def activate(config) -> Optional[Mesh]:
   return _active[0]
 
 
-def active_mesh() -> Optional[Mesh]:
+def active_mesh() -> Mesh | None:
   """The run's mesh in mesh mode; None in pmap mode."""
   return _active[0]
 
@@ -125,7 +125,7 @@ def restore_like(live: Any, saved: Any) -> Any:
   def put(live_leaf, saved_leaf):
     if isinstance(saved_leaf, jax.Array) and isinstance(live_leaf, jax.Array) and \
         saved_leaf.sharding == live_leaf.sharding and saved_leaf.dtype == live_leaf.dtype:
-      return saved_leaf  # Restored in place already (a disk checkpoint's arrays, any process count).
+      return saved_leaf  # Already placed (a disk checkpoint's arrays, any process count).
     if isinstance(live_leaf, jax.Array):
       return jax.device_put(np.asarray(saved_leaf, dtype=live_leaf.dtype), live_leaf.sharding)
     return saved_leaf

@@ -17,7 +17,8 @@ thousand, which on a machine with few cores leaves the CPU to the devices.
 import concurrent.futures
 import functools
 import math
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from absl import logging
@@ -102,13 +103,13 @@ class PeriodicAction:
   def __init__(self,
                fn: Callable[[int, Any], None],
                interval_type: str,
-               interval: Optional[float],
-               start_time: Optional[float] = 0.0,
+               interval: float | None,
+               start_time: float | None = 0.0,
                start_step: int = 0,
                run_async: bool = True,
                log_all_data: bool = False,
-               logging_growth_ratios: Optional[Sequence[float]] = None,
-               end_step_to_action: Optional[int] = None):
+               logging_growth_ratios: Sequence[float] | None = None,
+               end_step_to_action: int | None = None):
     if interval_type not in ("secs", "steps"):
       raise ValueError(f"interval_type={interval_type!r} must be 'secs' or 'steps'")
     if logging_growth_ratios and interval_type != "steps":
@@ -122,11 +123,11 @@ class PeriodicAction:
     self._growth_ratios = tuple(logging_growth_ratios or ())
     self._end_step = end_step_to_action
     self._unlogged: list[tuple[int, Any]] = []  # With log_all_data: steps since the last action.
-    self._last_seen: Optional[tuple[float, int, Any]] = None
-    self._last_acted_step: Optional[int] = None
-    self._due: list[tuple[int, Optional[float], Any]] = []  # Waiting for the background thread.
+    self._last_seen: tuple[float, int, Any] | None = None
+    self._last_acted_step: int | None = None
+    self._due: list[tuple[int, float | None, Any]] = []  # Waiting for the background thread.
     self._handed_over_at = -math.inf
-    self._in_progress: Optional[concurrent.futures.Future] = None
+    self._in_progress: concurrent.futures.Future | None = None
     self._run_async = run_async
     if run_async:
       self._act_in_background = make_async(
@@ -165,7 +166,7 @@ class PeriodicAction:
     else:
       self._hand_over(t)
 
-  def _hand_over(self, t: Optional[float]) -> None:
+  def _hand_over(self, t: float | None) -> None:
     """Gives the due steps to the background thread, unless it is busy or, at
     loop time `t`, was given some less than `_HANDOVER_SECS` ago."""
     if self._in_progress is not None and not self._in_progress.done():
@@ -176,7 +177,7 @@ class PeriodicAction:
     self._handed_over_at = -math.inf if t is None else t
     self._in_progress = self._act_in_background(due)
 
-  def _act_on(self, due: list[tuple[int, Optional[float], Any]]) -> None:
+  def _act_on(self, due: list[tuple[int, float | None, Any]]) -> None:
     """Copies the due steps' scalars to the host and calls `fn` for each."""
     host_values = jax.device_get([values for _, _, values in due])
     for (step, steps_per_sec, _), values in zip(due, host_values):

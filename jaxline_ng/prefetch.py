@@ -2,7 +2,8 @@
 
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 

@@ -31,7 +31,6 @@ from jaxline_ng import devices
 from jaxline_ng import mesh as mesh_lib
 
 
-
 class DistributedRNGMode(enum.Enum):
   """The random modes, as jaxline's enum names them."""
 

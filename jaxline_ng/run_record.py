@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jaxlib
@@ -40,7 +40,7 @@ def flat_config(config) -> dict[str, Any]:
   return flat
 
 
-def _git_commit(directory: str) -> Optional[dict[str, Any]]:
+def _git_commit(directory: str) -> dict[str, Any] | None:
   try:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True,
                             text=True, timeout=5)
@@ -60,7 +60,7 @@ def record(config, mode: str) -> dict[str, Any]:
     kinds[device.device_kind] = kinds.get(device.device_kind, 0) + 1
   return {
       "mode": mode,
-      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "started": datetime.datetime.now(datetime.UTC).isoformat(),
       "command_line": sys.argv,
       "working_directory": os.getcwd(),
       "git": _git_commit(os.getcwd()),

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -21,7 +21,7 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 def _best(records: list[dict[str, Any]], metric: str,
-          higher_is_better: bool) -> Optional[dict[str, Any]]:
+          higher_is_better: bool) -> dict[str, Any] | None:
   finite = [r for r in records if isinstance(r.get(metric), (int, float)) and
             math.isfinite(r[metric])]
   if not finite:
@@ -54,7 +54,8 @@ def summarize(checkpoint_dir: str) -> list[str]:
   metric = config.get("best_model_eval_metric")
   if metric:
     higher = config.get("best_model_eval_metric_higher_is_better", True)
-    candidates = [r for mode in modes if mode.startswith("eval") or mode == "train_eval_multithreaded"
+    candidates = [r for mode in modes
+                  if mode.startswith("eval") or mode == "train_eval_multithreaded"
                   for r in _read_jsonl(os.path.join(checkpoint_dir, mode, "metrics.jsonl"))]
     best = _best(candidates, metric, higher)
     if best is not None:

@@ -25,7 +25,8 @@ TARGETS = {
                      ["manylinux_2_27_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64"]),
     "Linux aarch64": ({"platform_system": "Linux", "platform_machine": "aarch64",
                        "sys_platform": "linux"},
-                      ["manylinux_2_27_aarch64", "manylinux2014_aarch64", "manylinux_2_17_aarch64"]),
+                      ["manylinux_2_27_aarch64", "manylinux2014_aarch64",
+                       "manylinux_2_17_aarch64"]),
     "macOS arm64": ({"platform_system": "Darwin", "platform_machine": "arm64",
                      "sys_platform": "darwin"},
                     ["macosx_14_0_arm64", "macosx_12_0_arm64", "macosx_11_0_arm64"]),
@@ -50,7 +51,8 @@ def main() -> int:
     requirements = requirements_for(environment)
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
                "--ignore-installed", "--only-binary=:all:", "--python-version", "3.11",
-               "--target", tempfile.mkdtemp(), *[arg for tag in tags for arg in ("--platform", tag)],
+               "--target", tempfile.mkdtemp(),
+               *[arg for tag in tags for arg in ("--platform", tag)],
                *requirements]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:

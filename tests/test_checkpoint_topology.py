@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-import toy  # pylint: disable=wrong-import-position
+import toy  # noqa: E402  (found through the sys.path entry above)
 
 
 def toy_args(checkpoint_dir, steps, *extra):

@@ -7,8 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxline_ng import base_config, checkpointing, experiment, train
-from jaxline_ng import utils
+from jaxline_ng import base_config, checkpointing, experiment, train, utils
 
 
 class Params(experiment.AbstractExperiment):
@@ -87,7 +86,8 @@ def test_threads_have_their_own_live_state(monkeypatch):
   checkpointer = checkpointing.InMemoryCheckpointer(config_for(1), "train")
   main_state = checkpointer.get_experiment_state("latest")
   other = []
-  thread = threading.Thread(target=lambda: other.append(checkpointer.get_experiment_state("latest")))
+  thread = threading.Thread(
+      target=lambda: other.append(checkpointer.get_experiment_state("latest")))
   thread.start()
   thread.join()
   assert other[0] is not main_state

@@ -65,12 +65,12 @@ def test_disable_pmap_jit_runs_steps_eagerly(tmp_path):
     results = list(pool.map(lambda flag: run(tmp_path / flag.strip("-"), flag), flags_))
   for result in results:
     assert result.returncode == 0, result.stderr
-    pmap_lines = [l for l in result.stdout.splitlines() if l.startswith("PMAP_SEES")]
+    pmap_lines = [line for line in result.stdout.splitlines() if line.startswith("PMAP_SEES")]
     # Called every step (eager), not traced once, and showing each device's values.
     assert len(pmap_lines) == 2
     assert "cpu:0" in pmap_lines[0] and "cpu:1" in pmap_lines[0]
     assert "[0. 1. 2.]" in pmap_lines[0] and "[1. 2. 3.]" in pmap_lines[1]
-    jit_lines = [l for l in result.stdout.splitlines() if l.startswith("JIT_SEES")]
+    jit_lines = [line for line in result.stdout.splitlines() if line.startswith("JIT_SEES")]
     assert jit_lines == ["JIT_SEES ArrayImpl"] * 2
     assert "run eagerly" in result.stderr
 
@@ -78,5 +78,5 @@ def test_disable_pmap_jit_runs_steps_eagerly(tmp_path):
 def test_without_the_flag_steps_are_compiled(tmp_path):
   result = run(tmp_path)
   assert result.returncode == 0, result.stderr
-  pmap_lines = [l for l in result.stdout.splitlines() if l.startswith("PMAP_SEES")]
+  pmap_lines = [line for line in result.stdout.splitlines() if line.startswith("PMAP_SEES")]
   assert len(pmap_lines) == 1 and "Tracer" in pmap_lines[0]

@@ -182,7 +182,7 @@ def test_a_failing_constructor_exits_1_with_its_error_last(tmp_path):
 
       def get_config():
         config = base_config.get_base_config()
-        config.checkpoint_dir = %r
+        config.checkpoint_dir = RUN_DIR
         return config
 
       class Broken(experiment.AbstractExperiment):
@@ -195,7 +195,7 @@ def test_a_failing_constructor_exits_1_with_its_error_last(tmp_path):
 
       if __name__ == "__main__":
         app.run(functools.partial(platform.main, Broken))
-      """ % str(tmp_path / "run")))
+      """).replace("RUN_DIR", repr(str(tmp_path / "run"))))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   for mode in ("train", "train_eval_multithreaded"):

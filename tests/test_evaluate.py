@@ -10,7 +10,6 @@ import pytest
 from jaxline_ng import base_config, checkpointing, experiment, train, utils
 
 
-
 def make_config(**overrides):
   config = base_config.get_base_config()
   config.training_steps = 10

@@ -267,9 +267,10 @@ def test_config_arguments(path):
 
 
 def test_char_lm_mesh_mode_shards_weight_matrices_over_model():
-  from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
-  from jaxline_ng import mesh  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
+
+  from jaxline_ng import mesh  # pylint: disable=import-outside-toplevel
   char_lm = load_module(CHAR_LM)
   config = char_lm.get_config("smoke")
   config.placement, config.mesh_shape = "mesh", "data:-1,model:2"

@@ -13,7 +13,7 @@ from jaxline_ng import base_config, checkpointing, disk_checkpointing, mesh, rng
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-import toy  # pylint: disable=wrong-import-position
+import toy  # noqa: E402  (found through the sys.path entry above)
 
 
 class Recorder:

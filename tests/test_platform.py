@@ -78,7 +78,7 @@ def test_bad_input_fails_fast_with_one_line_naming_the_culprit(tmp_path, args, c
   result = run(*args, timeout=60)
   assert result.returncode != 0
   assert "Traceback" not in result.stderr
-  error_lines = [l for l in result.stderr.splitlines() if culprit in l]
+  error_lines = [line for line in result.stderr.splitlines() if culprit in line]
   assert error_lines, result.stderr[-2000:]
 
 

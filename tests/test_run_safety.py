@@ -15,9 +15,18 @@ import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from jaxline_ng import base_config, checkpointing, devices, experiment, guards, platform
-from jaxline_ng import preemption
-from jaxline_ng import run_record, train, utils
+from jaxline_ng import (
+  base_config,
+  checkpointing,
+  devices,
+  experiment,
+  guards,
+  platform,
+  preemption,
+  run_record,
+  train,
+  utils,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,7 +10,6 @@ import pytest
 from jaxline_ng import base_config, checkpointing, experiment, rng, train, utils
 
 
-
 def make_config(**overrides):
   config = base_config.get_base_config()
   config.training_steps = 5
@@ -135,7 +134,8 @@ def test_resume_continues_step_count_and_rng_chain():
 def test_no_checkpoints_from_non_chief_unless_all_hosts(monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   run_counting(make_config(training_steps=2))
-  assert not utils.GLOBAL_CHECKPOINT_DICT.get("latest", checkpointing.CheckpointNT(None, [])).history
+  no_series = checkpointing.CheckpointNT(None, [])
+  assert not utils.GLOBAL_CHECKPOINT_DICT.get("latest", no_series).history
   run_counting(make_config(training_steps=2, train_checkpoint_all_hosts=True))
   assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history
 

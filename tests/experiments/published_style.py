@@ -14,19 +14,15 @@ broadcast `init_rng`, `utils.py_prefetch` over a numpy generator,
 
 import functools
 
-from absl import app
-from absl import flags
-from absl import logging
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from jaxline_ng import base_config
-from jaxline_ng import experiment
-from jaxline_ng import platform
-from jaxline_ng import utils
-from ml_collections import config_dict
 import numpy as np
 import optax
+from absl import app, flags, logging
+from ml_collections import config_dict
+
+from jaxline_ng import base_config, experiment, platform, utils
 
 FLAGS = flags.FLAGS
 

@@ -10,15 +10,12 @@ runs it repeatedly to show the abort is gone:
 
 import functools
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
-from jaxline_ng import base_config
-from jaxline_ng import experiment
-from jaxline_ng import platform
-from jaxline_ng import utils
 import numpy as np
+from absl import app, flags
+
+from jaxline_ng import base_config, experiment, platform, utils
 
 FLAGS = flags.FLAGS
 

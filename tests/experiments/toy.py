@@ -1,4 +1,6 @@
-"""A tiny experiment for end-to-end tests: `python tests/experiments/toy.py --config=tests/experiments/toy.py`.
+"""A tiny experiment for end-to-end tests.
+
+    python tests/experiments/toy.py --config=tests/experiments/toy.py
 
 Its parameters are a vector pulled towards a target by data-parallel SGD; the
 step's data is a function of the step number, so runs are reproducible. Each
