@@ -12,10 +12,12 @@ Flags: `--config=file.py[:arg]` with `--config.key=value` overrides,
 """
 
 import os
+import re
 import sys
 from typing import Callable, Sequence
 
 import jax
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -71,13 +73,21 @@ def _report_config_errors_in_one_line(config_flag) -> None:
       raise flags.IllegalFlagValueError(
           f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None
     except (AttributeError, KeyError) as e:
-      key = str(e).strip("\"'")
+      # ml_collections wraps a KeyError whose message adds a second line with
+      # a close match ("Did you mean ...") to the key: the first line is the key.
+      cause = e
+      while cause.args and isinstance(cause.args[0], BaseException):
+        cause = cause.args[0]
+      message = str(cause.args[0]) if cause.args else str(cause)
+      key = message.splitlines()[0].strip("\"'") if message.strip() else ""
       override = _override_naming(key)
       if override is None:  # Raised by the config file's own code.
         raise flags.IllegalFlagValueError(
             f"loading {argument!r} failed: {type(e).__name__}: {e}") from None
+      close = re.search(r'Did you mean "([^"]+)"', message)
+      hint = f" (did you mean {close.group(1)!r}?)" if close else ""
       raise flags.IllegalFlagValueError(
-          f"{override}: the config {path!r} has no key {key!r} there") from None
+          f"{override}: the config {path!r} has no key {key!r} there{hint}") from None
     except Exception as e:  # pylint: disable=broad-except  (any failure of user code)
       first_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
       raise flags.IllegalFlagValueError(
@@ -191,6 +201,36 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
       _close(writer)
 
 
+def _as_config_dict(config):
+  """The config as a ConfigDict; a `get_config()` returning a plain dict is converted.
+
+  Nothing of jaxline's config contract needs more than a ConfigDict built
+  from the same nested values, and a dict is what a new user writes first.
+  """
+  if isinstance(config, ml_collections.ConfigDict):
+    return config
+  if isinstance(config, dict):
+    return ml_collections.ConfigDict(config)
+  raise base_config.ConfigError(
+      f"config file {config_flags.get_config_filename(FLAGS['config'])!r}: get_config() "
+      f"returned a {type(config).__name__}; return an ml_collections.ConfigDict, e.g. "
+      "built on jaxline_ng.base_config.get_base_config()")
+
+
+def _make_checkpoint_dir_absolute(config) -> None:
+  """Resolves a relative `checkpoint_dir` against the working directory, once.
+
+  Orbax refuses relative paths, and a later change of directory (by the
+  experiment, or a library) would move the run's files; every consumer
+  reads the absolute path from the config from here on.
+  """
+  checkpoint_dir = config.checkpoint_dir
+  if checkpoint_dir and not os.path.isabs(checkpoint_dir):
+    config.checkpoint_dir = os.path.abspath(checkpoint_dir)
+    logging.info("[jaxline_ng] config.checkpoint_dir=%r is relative: using %s.",
+                 checkpoint_dir, config.checkpoint_dir)
+
+
 def main(experiment_class, argv: Sequence[str],
          checkpointer_factory: Callable = create_checkpointer) -> None:
   """Runs `experiment_class` in the mode `--jaxline_mode` names.
@@ -207,8 +247,10 @@ def main(experiment_class, argv: Sequence[str],
     raise SystemExit("jaxline_ng: error: --config is required (a config file: path.py[:arg])")
   mode = _MODE.value
   try:
+    config = _as_config_dict(config)
     multihost.initialize_if_requested()
     base_config.validate_config(config)
+    _make_checkpoint_dir_absolute(config)
     check_mode(mode)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     with preemption.stop_on_signals(), debugging.eager_if_requested():
