@@ -193,10 +193,14 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
           "(config.checkpointer='memory') live in the training process. Use "
           f"--jaxline_mode={TRAIN_EVAL_MULTITHREADED}, or "
           "--config.eval_initial_weights to evaluate initial weights")
+    # In-memory checkpoints come only from training in this process, which
+    # eval modes do not run: what there is now is all there will be.
+    in_memory = isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
     writer = _writer_and_record(config, mode)
     try:
       train.evaluate(experiment_class, config, checkpointer, writer, jaxline_mode=mode,
-                     poll_interval_secs=config.eval_poll_interval_secs)
+                     poll_interval_secs=config.eval_poll_interval_secs,
+                     stop_waiting=(lambda: True) if in_memory else None)
     finally:
       _close(writer)
 

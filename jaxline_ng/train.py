@@ -329,9 +329,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
 
   Stops after evaluating a checkpoint whose step ends training (by the
   experiment's `should_run_step`), after one evaluation with
-  `one_off_evaluate`, or — in `train_eval_multithreaded`, where
-  `stop_waiting()` reports the training thread gone — when no new checkpoint
-  will come.
+  `one_off_evaluate`, or when `stop_waiting()` says no new checkpoint will
+  come (in `train_eval_multithreaded`, the training thread is gone). A stop
+  request (`preemption`) ends it after the evaluation in progress, or at
+  once while it waits, by raising `preemption.Preempted`.
   """
   if jaxline_mode is None:
     from absl import flags  # Only the command-line path reads the flag.
@@ -356,8 +357,12 @@ def evaluate(experiment_class, config, checkpointer, writer,
   restored_path = None
   evaluated_step = -1
   initial_weights_pending = config.eval_initial_weights
+  asked_to_stop = False
   while True:
     # --- Wait for something to evaluate. ---
+    if preemption.stop_requested():
+      asked_to_stop = True
+      break
     path = checkpointer.restore_path("latest")
     if path is not None and path != restored_path:
       with experiment_lib.log_activity("checkpoint restore"):
@@ -367,10 +372,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
         continue
     elif path is None and initial_weights_pending:
       state.global_step = 0
-    elif (stop_waiting is not None and stop_waiting()) or preemption.stop_requested():
+    elif stop_waiting is not None and stop_waiting():
       break
     else:
-      time.sleep(poll_interval_secs)
+      preemption.wait_for_stop(poll_interval_secs)  # A stop request ends the wait at once.
       continue
     initial_weights_pending = False
     evaluated_step = state.global_step
@@ -393,6 +398,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
   checkpointer.wait_for_checkpointing_to_finish()
   if writer is not None:
     writer.flush()
+  if asked_to_stop:
+    logging.warning("[jaxline_ng] Evaluation stopped by %s after step %d.",
+                    preemption.stop_reason(), evaluated_step)
+    raise preemption.Preempted(f"evaluation stopped by {preemption.stop_reason()}")
 
 
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
@@ -416,12 +425,19 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
   # flight must know before the loop starts.
   with experiment_lib.dispatching_beside_training():
     trainer.start()
-    # If evaluation raises, its error propagates and the daemon trainer ends
-    # with the process.
-    evaluate(experiment_class, config, checkpointer, eval_writer,
-             jaxline_mode="train_eval_multithreaded",
-             poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
-             stop_waiting=lambda: not trainer.is_alive())
+    # If evaluation fails, its error propagates and the daemon trainer ends
+    # with the process. A stop request stops the trainer too, which saves
+    # first: it is waited for.
+    try:
+      evaluate(experiment_class, config, checkpointer, eval_writer,
+               jaxline_mode="train_eval_multithreaded",
+               poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
+               stop_waiting=lambda: not trainer.is_alive())
+    except preemption.Preempted:
+      trainer.join()
+      if training_errors:
+        raise training_errors[0] from None
+      raise
     trainer.join()
   if training_errors:
     raise training_errors[0]

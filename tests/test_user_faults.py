@@ -79,3 +79,76 @@ def test_get_config_returning_something_else_names_the_config_file(tmp_path):
   assert result.returncode != 0
   assert "Traceback" not in result.stderr
   assert f"config file '{config_file}': get_config() returned a list" in result.stderr
+
+
+def signal_after(args, markers, timeout=60, cwd=ROOT):
+  """Runs `args`; sends SIGTERM after each log line containing the next of `markers`.
+
+  Returns (exit code, stderr, seconds from the last signal to the exit).
+  """
+  process = subprocess.Popen(args, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+  lines, pending = [], list(markers)
+  try:
+    for line in process.stderr:
+      lines.append(line)
+      if pending and pending[0] in line:
+        pending.pop(0)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        if not pending:
+          break
+    _, rest = process.communicate(timeout=timeout)
+  finally:
+    process.kill()
+  assert not pending, "".join(lines)[-3000:]
+  return process.returncode, "".join(lines) + rest, time.monotonic() - signalled
+
+
+@pytest.mark.parametrize("mode", ["eval", "eval_holdout"])
+def test_sigterm_to_an_eval_job_waiting_for_checkpoints_exits_75_at_once(tmp_path, mode):
+  code, stderr, secs = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+          f"--jaxline_mode={mode}", "--config.eval_poll_interval_secs=30"),
+      ["experiment init finished"])
+  assert code == 75, stderr[-3000:]
+  assert secs < 15
+  assert "Evaluation stopped by SIGTERM" in stderr
+
+
+def test_sigterm_to_train_eval_multithreaded_exits_75(tmp_path):
+  code, stderr, _ = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=train_eval_multithreaded",
+          "--config.training_steps=1000000"),
+      ["step 10/"])
+  assert code == 75, stderr[-3000:]
+  assert "stopped by SIGTERM after step" in stderr
+
+
+def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path):
+  script = tmp_path / "slow_save.py"
+  script.write_text(
+      "import functools, sys, time\n"
+      f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
+      "import toy\n"
+      "from absl import app\n"
+      "from jaxline_ng import platform\n"
+      "class SlowSave(toy.Experiment):\n"
+      "  def snapshot_state(self):\n"
+      "    time.sleep(60)  # Only the final save snapshots: periodic saves are off.\n"
+      "    return super().snapshot_state()\n"
+      "app.run(functools.partial(platform.main, SlowSave))\n")
+  code, stderr, secs = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000000",
+          "--config.save_checkpoint_interval=1000000000", script=str(script)),
+      ["step 10/", "final checkpoint starting"], timeout=30)
+  assert code == 75, stderr[-3000:]
+  assert secs < 15
+  assert "Second SIGTERM: exiting now with code 75" in stderr
+
+
+def test_eval_job_with_in_memory_checkpoints_evaluates_initial_weights_and_ends(tmp_path):
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=eval",
+                   "--config.eval_initial_weights=True"), timeout=60)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [r["step"] for r in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [0]
