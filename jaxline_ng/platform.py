@@ -259,7 +259,8 @@ def main(experiment_class, argv: Sequence[str],
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     with preemption.stop_on_signals(), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
-  except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError) as e:
+  except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError,
+          train.ScalarsError) as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
   except preemption.Preempted:
     raise SystemExit(preemption.EXIT_PREEMPTED) from None

@@ -5,6 +5,7 @@
 checkpoint once; `train_eval_multithreaded` runs both in one process.
 """
 
+import functools
 import inspect
 import json
 import math
@@ -36,27 +37,99 @@ EVAL_POLL_SECS = 10.0
 MULTITHREADED_EVAL_POLL_SECS = 0.2
 
 
+class ScalarsError(ValueError):
+  """What `step` or `evaluate` returned cannot be logged; the message names the key."""
+
+
+# Array kinds that are not numbers: bytes, str, object.
+_NON_NUMERIC_KINDS = "SUO"
+
+
+@functools.cache
+def _per_device_lengths() -> tuple[int, ...]:
+  """Lengths of one value per device: per local device from pmap, per device of a mesh."""
+  return (1, jax.local_device_count(), jax.device_count())
+
+
+def _scalar_problem(value: Any) -> Optional[str]:
+  """Why `value` is not a loggable scalar, or None if it is.
+
+  A scalar is a number, or one per local device (a pmap output the
+  experiment did not reduce with `get_first`). Reads only metadata: no
+  transfer, no wait for the devices.
+  """
+  if isinstance(value, (int, float)):
+    return None
+  if isinstance(value, (str, bytes)):
+    return f"is a {type(value).__name__} ({value!r:.40})"
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is None or dtype is None:
+    return f"is a {type(value).__name__}"
+  if getattr(dtype, "kind", "") in _NON_NUMERIC_KINDS:
+    return f"has dtype {dtype}"
+  if not shape or (len(shape) == 1 and shape[0] in _per_device_lengths()):
+    return None
+  return f"has shape {tuple(shape)}"
+
+
+def scalar_problems(scalars: Any, producer: str) -> list[str]:
+  """One line per value of `scalars` that cannot be logged, naming its key.
+
+  Raises ScalarsError if `scalars` is not a mapping at all.
+  """
+  if not isinstance(scalars, Mapping):
+    raise ScalarsError(f"{producer} returned {type(scalars).__name__} {scalars!r:.60}: return a "
+                       "dict of scalars {name: value} (an empty dict to log nothing)")
+  problems = []
+  for name, value in scalars.items():
+    problem = _scalar_problem(value)
+    if problem is not None:
+      problems.append(f"{producer} returned scalar {name!r} that {problem}: return numbers, "
+                      "or one per local device")
+  return problems
+
+
 def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   """Copies step/evaluate outputs to host numbers for logging.
 
   A value may be a scalar or one copy per local device (a pmap output the
   experiment did not reduce with `get_first`); the first device's copy is
-  taken then. Anything else is an error naming the scalar.
+  taken then. Anything else is a ScalarsError naming the scalar.
   """
+  problems = scalar_problems(scalars, "the experiment")
+  if problems:
+    raise ScalarsError(problems[0])
   values = dict(scalars)
   if any(isinstance(value, jax.Array) for value in values.values()):
     values = devices.first_shards_to_host(values)
   result = {}
   for name, value in values.items():
     array = np.asarray(value)
-    if array.ndim == 1 and array.shape[0] in (1, jax.local_device_count()):
+    if array.ndim == 1:
       array = array[0]
-    if array.ndim != 0:
-      raise ValueError(
-          f"scalar {name!r} has shape {np.shape(value)}: return scalars, or one "
-          "value per local device")
     result[name] = array.item()
   return result
+
+
+class _StepScalarsCheck:
+  """A periodic action: stops the run at the first step whose outputs cannot be logged.
+
+  Runs on the loop's thread, first of all actions, while the outputs are
+  still what `step` returned: logging reads them later on its own thread,
+  after taking the first device's copy (which hides the real shape).
+  """
+
+  def __call__(self, t: float, step: int, scalars: Any) -> None:
+    del t, step
+    problems = scalar_problems(scalars, "step()")
+    if problems:
+      raise ScalarsError(problems[0])
+
+  def finish(self) -> None:
+    pass
+
+  def wait_to_finish(self) -> None:
+    pass
 
 
 def _interval_type(config, specific_key: str) -> str:
@@ -216,7 +289,7 @@ def train(experiment_class, config, checkpointer, writer,
   guard = guards.NonFiniteGuard(config.non_finite_policy)
   default_actions, save_latest = _default_periodic_actions(
       config, checkpointer, writer, state, save_checkpoints, guard)
-  actions = [*periodic_actions, *default_actions,
+  actions = [_StepScalarsCheck(), *periodic_actions, *default_actions,
              preemption.StopCheck(config.wall_clock_budget_secs)]
   if config.profile_steps:
     actions.append(profiling.ProfileWindow(
@@ -384,11 +457,19 @@ def evaluate(experiment_class, config, checkpointer, writer,
     global_step_devices = rng.step_counter(state.global_step, like=eval_rng)
     with experiment_lib.log_activity(f"evaluation at step {state.global_step}"):
       scalars = evaluate_fn(global_step=global_step_devices, rng=eval_rng, writer=writer)
-    _check_best_metric(config, scalars)
-    values = host_scalars(scalars)
+    # The row's loggable values are written before a bad one stops the run:
+    # an evaluation can take hours.
+    problems = scalar_problems(scalars, "evaluate()")
+    values = host_scalars({name: value for name, value in scalars.items()
+                           if _scalar_problem(value) is None})
     logging.info("[jaxline_ng] eval step %d: %s", state.global_step, values)
     if writer is not None:
       writer.write_scalars(state.global_step, values)
+    if problems:
+      if writer is not None:
+        writer.flush()
+      raise ScalarsError(problems[0])
+    _check_best_metric(config, scalars)
     if best is not None:
       best.update(state.global_step, values)
 

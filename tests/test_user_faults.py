@@ -152,3 +152,62 @@ def test_eval_job_with_in_memory_checkpoints_evaluates_initial_weights_and_ends(
                    "--config.eval_initial_weights=True"), timeout=60)
   assert result.returncode == 0, result.stderr[-3000:]
   assert [r["step"] for r in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [0]
+
+
+def experiment_script(tmp_path, body):
+  """A script running a subclass of the toy experiment with `body` as its class body."""
+  script = tmp_path / "variant.py"
+  script.write_text(
+      "import functools, sys\n"
+      f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
+      "import jax, jax.numpy as jnp\n"
+      "import toy\n"
+      "from absl import app\n"
+      "from jaxline_ng import platform\n"
+      "class Variant(toy.Experiment):\n"
+      + "".join(f"  {line}\n" for line in body.splitlines()) +
+      "app.run(functools.partial(platform.main, Variant))\n")
+  return str(script)
+
+
+def one_line_error(result, culprit):
+  assert result.returncode not in (0, 75), result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  lines = [l for l in result.stderr.splitlines() if l.startswith("jaxline_ng: error:")]
+  assert len(lines) == 1 and culprit in lines[0], result.stderr[-3000:]
+  return lines[0]
+
+
+@pytest.mark.parametrize("returned,culprit", [
+    ("None", "step() returned NoneType None: return a dict of scalars"),
+    ("[loss]", "step() returned list"),
+    ("{'loss': loss, 'per_dim': jnp.zeros((jax.local_device_count(), 3))}",
+     "step() returned scalar 'per_dim' that has shape (4, 3)"),
+])
+def test_step_returning_what_cannot_be_logged_is_one_line(tmp_path, returned, culprit):
+  script = experiment_script(tmp_path, (
+      "def step(self, **kwargs):\n"
+      "  loss = super().step(**kwargs)['loss']\n"
+      f"  return {returned}\n"))
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", script=script), timeout=90)
+  one_line_error(result, culprit)
+
+
+def test_evaluate_returning_a_list_is_one_line(tmp_path):
+  script = experiment_script(tmp_path, (
+      "def evaluate(self, **kwargs):\n"
+      "  return list(super().evaluate(**kwargs).values())\n"))
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=eval",
+                   "--config.eval_initial_weights=True", script=script), timeout=90)
+  one_line_error(result, "evaluate() returned list")
+
+
+def test_evaluate_returning_a_string_writes_the_row_and_names_the_key(tmp_path):
+  script = experiment_script(tmp_path, (
+      "def evaluate(self, **kwargs):\n"
+      "  return {**super().evaluate(**kwargs), 'verdict': 'good'}\n"))
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=eval",
+                   "--config.eval_initial_weights=True", script=script), timeout=90)
+  one_line_error(result, "evaluate() returned scalar 'verdict' that is a str ('good')")
+  [row] = read_jsonl(tmp_path / "eval" / "metrics.jsonl")
+  assert row["step"] == 0 and set(row) == {"step", "neg_distance", "params/mean"}
