@@ -11,6 +11,7 @@ Flags: `--config=file.py[:arg]` with `--config.key=value` overrides,
 `--jaxline_disable_pmap_jit` (alias `--disable_pmap_jit`), `--jaxline_post_mortem`.
 """
 
+import contextlib
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ from jaxline_ng import debugging
 from jaxline_ng import multihost
 from jaxline_ng import guards
 from jaxline_ng import preemption
+from jaxline_ng import run_lock
 from jaxline_ng import run_record
 from jaxline_ng import train
 
@@ -170,6 +172,20 @@ def _close(writer) -> None:
 
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
+  with contextlib.ExitStack() as locks:
+    # The chief's locks stand for the whole run (see `run_lock`); taken
+    # before anything is written, so a refused run changes nothing.
+    if multihost.is_chief():
+      try:
+        locks.enter_context(run_lock.held(config.checkpoint_dir, mode))
+      except OSError as e:
+        raise base_config.ConfigError(
+            f"config.checkpoint_dir={config.checkpoint_dir!r}: cannot write a lock file: "
+            f"{e.strerror or e}") from None
+    _run_locked(experiment_class, config, mode, checkpointer_factory)
+
+
+def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:
   checkpointer = checkpointer_factory(config, mode)
   if mode == "train":
     writer = _writer_and_record(config, "train")
@@ -260,7 +276,7 @@ def main(experiment_class, argv: Sequence[str],
     with preemption.stop_on_signals(), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
   except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError,
-          train.ScalarsError) as e:
+          train.ScalarsError, run_lock.RunLockError) as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
   except preemption.Preempted:
     raise SystemExit(preemption.EXIT_PREEMPTED) from None

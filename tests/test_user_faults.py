@@ -211,3 +211,51 @@ def test_evaluate_returning_a_string_writes_the_row_and_names_the_key(tmp_path):
   one_line_error(result, "evaluate() returned scalar 'verdict' that is a str ('good')")
   [row] = read_jsonl(tmp_path / "eval" / "metrics.jsonl")
   assert row["step"] == 0 and set(row) == {"step", "neg_distance", "params/mean"}
+
+
+def test_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_path):
+  first = subprocess.Popen(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+          "--config.training_steps=1000000", "--config.save_checkpoint_interval=5"),
+      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    for line in first.stderr:
+      if "Saved checkpoint latest" in line:
+        break
+    started = time.monotonic()
+    second = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+                     "--config.training_steps=1000000"), timeout=60)
+    refused_in = time.monotonic() - started
+    assert first.poll() is None  # The first run is untouched and goes on.
+    # An eval job only reads what training writes: it runs beside it.
+    evaluator = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+                        "--jaxline_mode=eval", "--config.one_off_evaluate=True"), timeout=90)
+    assert evaluator.returncode == 0, evaluator.stderr[-3000:]
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 75
+  finally:
+    first.kill()
+  line = one_line_error(second, f"config.checkpoint_dir={str(tmp_path)!r} is in use")
+  assert f"held by process {first.pid} on host " in line
+  assert refused_in < 30
+  assert read_jsonl(tmp_path / "eval" / "metrics.jsonl")
+
+
+def test_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
+  args = toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+             "--config.training_steps=40", "--config.save_checkpoint_interval=5")
+  killed = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+  try:
+    for line in killed.stderr:
+      if "Saved checkpoint latest" in line:
+        killed.kill()
+        break
+    killed.wait(timeout=30)
+  finally:
+    killed.kill()
+  result = run(args)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"Taking over the train lock {tmp_path / 'train' / 'run.lock'} from process {killed.pid}" \
+      in result.stderr
+  assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 40
