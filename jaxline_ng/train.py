@@ -19,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import base_config
+from jaxline_ng import checkpointing
 from jaxline_ng import devices
 from jaxline_ng import experiment as experiment_lib
 from jaxline_ng import guards
@@ -226,6 +227,24 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   # jaxline_ng's checkpointers run the guard on their save worker (waiting for
   # the step there, not here); a user's checkpointer gets a checked state.
   validates = "validate" in inspect.signature(checkpointer.save).parameters
+  durable = writer is not None and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
+
+  def flush_metrics():
+    """Puts every metric row up to the state's step on disk.
+
+    A resumed run never redoes the steps a checkpoint covers, so their rows
+    must be on disk before it can be: this runs before `save`, and the
+    checkpoint is committed after that, on the save worker. The wait is
+    for the write action's queued steps (the devices finishing the
+    current step) and the writer's flush.
+    """
+    write = actions.get("write")
+    if write is not None:
+      if config.log_all_train_data:
+        write.finish()  # Every step's row is kept: those since the last write are held back.
+      else:
+        write.wait_to_finish()
+    writer.flush()
 
   def save_latest(t, step, scalars):
     del t, step, scalars
@@ -233,6 +252,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
       return  # The final save right after a periodic one at the same step.
     state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
                                    if isinstance(action, periodic.PeriodicAction)}
+    if durable:
+      flush_metrics()
     if validates:
       checkpointer.save("latest", validate=guard.seal())
     else:
@@ -284,6 +305,11 @@ def train(experiment_class, config, checkpointer, writer,
     _check_resumed_config(getattr(state, "run_config", None), run_config,
                           config.strict_resume_config)
   state.run_config = run_config
+  if (writer is not None and hasattr(writer, "resume")
+      and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)):
+    # Rows an interrupted run wrote past its last checkpoint are redone from
+    # here: the old ones go, in metrics.jsonl and TensorBoard alike.
+    writer.resume(state.global_step)
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
   guard = guards.NonFiniteGuard(config.non_finite_policy)

@@ -259,3 +259,53 @@ def test_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
   assert f"Taking over the train lock {tmp_path / 'train' / 'run.lock'} from process {killed.pid}" \
       in result.stderr
   assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 40
+
+
+def test_sigkill_after_a_checkpoint_keeps_every_metric_row_it_covers(tmp_path):
+  process = subprocess.Popen(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+          "--config.training_steps=1000000", "--config.save_checkpoint_interval=10",
+          "--config.log_train_data_interval=1"),
+      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    for line in process.stderr:
+      if "Saved checkpoint latest/30 " in line:
+        process.kill()
+        break
+    process.wait(timeout=30)
+  finally:
+    process.kill()
+  newest = max(int(name) for name in os.listdir(tmp_path / "checkpoints" / "latest")
+               if name.isdigit())
+  assert newest >= 30
+  steps = {row["step"] for row in read_jsonl(tmp_path / "train" / "metrics.jsonl")}
+  assert set(range(1, newest + 1)) <= steps
+
+
+def tensorboard_steps(logdir, tag):
+  """The steps of `tag`'s points as the TensorBoard server loads them."""
+  from tensorboard.backend.event_processing import plugin_event_accumulator  # pylint: disable=import-outside-toplevel
+  accumulator = plugin_event_accumulator.EventAccumulator(
+      str(logdir), tensor_size_guidance={"scalars": 0})  # 0: keep every point.
+  accumulator.Reload()
+  return [event.step for event in accumulator.Tensors(tag)]
+
+
+def test_resumed_run_has_no_duplicated_or_orphaned_metric_rows(tmp_path):
+  args = toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+             "--config.training_steps=30", "--config.save_checkpoint_interval=10",
+             "--config.log_train_data_interval=1")
+  first = run(args)
+  assert first.returncode == 0, first.stderr[-3000:]
+  # As if killed after writing the rows of steps 21..30 but before checkpoint 30 was
+  # committed: the rerun resumes from step 20 and writes those steps again.
+  os.rename(tmp_path / "checkpoints" / "latest" / "30", tmp_path / "lost_30")
+  with open(tmp_path / "train" / "metrics.jsonl", "ab") as f:
+    f.write(b'{"step": 31, "lo')  # And died mid-row.
+  time.sleep(1)  # The rerun's event files sort after the first run's.
+  second = run(args)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "Restored checkpoint" in second.stderr
+  rows = read_jsonl(tmp_path / "train" / "metrics.jsonl")
+  assert [row["step"] for row in rows] == list(range(1, 31))
+  assert tensorboard_steps(tmp_path / "train", "loss") == list(range(1, 31))
