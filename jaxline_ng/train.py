@@ -229,23 +229,6 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   validates = "validate" in inspect.signature(checkpointer.save).parameters
   durable = writer is not None and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
 
-  def flush_metrics():
-    """Puts every metric row up to the state's step on disk.
-
-    A resumed run never redoes the steps a checkpoint covers, so their rows
-    must be on disk before it can be: this runs before `save`, and the
-    checkpoint is committed after that, on the save worker. The wait is
-    for the write action's queued steps (the devices finishing the
-    current step) and the writer's flush.
-    """
-    write = actions.get("write")
-    if write is not None:
-      if config.log_all_train_data:
-        write.finish()  # Every step's row is kept: those since the last write are held back.
-      else:
-        write.wait_to_finish()
-    writer.flush()
-
   def save_latest(t, step, scalars):
     del t, step, scalars
     if saved_at[0] == state.global_step:
@@ -253,7 +236,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     state.periodic_action_times = {role: action.last_acted for role, action in actions.items()
                                    if isinstance(action, periodic.PeriodicAction)}
     if durable:
-      flush_metrics()
+      _flush_metrics(actions.get("write"), writer, config.log_all_train_data)
     if validates:
       checkpointer.save("latest", validate=guard.seal())
     else:
@@ -267,6 +250,25 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
         config.save_checkpoint_interval, run_async=False, run_on_final_step=False,
         **last_acted("checkpoint", now))
   return list(actions.values()), lambda: save_latest(None, None, None)
+
+
+def _flush_metrics(write: Optional[periodic.PeriodicAction], writer,
+                   log_all_train_data: bool) -> None:
+  """Puts every metric row up to the current step on disk.
+
+  A resumed run never redoes the steps a checkpoint covers, so their rows
+  must be on disk before it can be: this runs before a durable `save`, and
+  the checkpoint is committed after that, on the save worker. The wait is
+  for the write action's due steps (the devices finishing the current
+  step) and the writer's flush; `python -m benchmarks.metrics_before_save`
+  measures it.
+  """
+  if write is not None:
+    if log_all_train_data:
+      write.finish()  # Every step's row is kept: those since the last write are held back.
+    else:
+      write.wait_to_finish()
+  writer.flush()
 
 
 def train(experiment_class, config, checkpointer, writer,
