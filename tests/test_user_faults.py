@@ -109,10 +109,10 @@ def signal_after(args, markers, timeout=60, cwd=ROOT):
 def test_sigterm_to_an_eval_job_waiting_for_checkpoints_exits_75_at_once(tmp_path, mode):
   code, stderr, secs = signal_after(
       toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
-          f"--jaxline_mode={mode}", "--config.eval_poll_interval_secs=30"),
-      ["experiment init finished"])
+          f"--jaxline_mode={mode}", "--config.eval_poll_interval_secs=300"),
+      ["experiment init finished"], timeout=120)
   assert code == 75, stderr[-3000:]
-  assert secs < 15
+  assert secs < 60  # Not the poll interval: the wait ends at the signal.
   assert "Evaluation stopped by SIGTERM" in stderr
 
 
@@ -135,15 +135,15 @@ def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path):
       "from jaxline_ng import platform\n"
       "class SlowSave(toy.Experiment):\n"
       "  def snapshot_state(self):\n"
-      "    time.sleep(60)  # Only the final save snapshots: periodic saves are off.\n"
+      "    time.sleep(300)  # Only the final save snapshots: periodic saves are off.\n"
       "    return super().snapshot_state()\n"
       "app.run(functools.partial(platform.main, SlowSave))\n")
   code, stderr, secs = signal_after(
       toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000000",
           "--config.save_checkpoint_interval=1000000000", script=str(script)),
-      ["step 10/", "final checkpoint starting"], timeout=30)
+      ["step 10/", "final checkpoint starting"], timeout=120)
   assert code == 75, stderr[-3000:]
-  assert secs < 15
+  assert secs < 60  # Not the final save's 300 s.
   assert "Second SIGTERM: exiting now with code 75" in stderr
 
 
@@ -178,38 +178,71 @@ def one_line_error(result, culprit):
   return lines[0]
 
 
-@pytest.mark.parametrize("returned,culprit", [
-    ("None", "step() returned NoneType None: return a dict of scalars"),
-    ("[loss]", "step() returned list"),
-    ("{'loss': loss, 'per_dim': jnp.zeros((jax.local_device_count(), 3))}",
-     "step() returned scalar 'per_dim' that has shape (4, 3)"),
-])
-def test_step_returning_what_cannot_be_logged_is_one_line(tmp_path, returned, culprit):
+def test_step_returning_a_per_device_vector_is_one_line_with_its_real_shape(tmp_path):
   script = experiment_script(tmp_path, (
       "def step(self, **kwargs):\n"
       "  loss = super().step(**kwargs)['loss']\n"
-      f"  return {returned}\n"))
+      "  return {'loss': loss, 'per_dim': jnp.zeros((jax.local_device_count(), 3))}\n"))
   result = run(toy(f"--config.checkpoint_dir={tmp_path}", script=script), timeout=90)
-  one_line_error(result, culprit)
+  one_line_error(result, "step() returned scalar 'per_dim' that has shape (4, 3)")
 
 
-def test_evaluate_returning_a_list_is_one_line(tmp_path):
-  script = experiment_script(tmp_path, (
-      "def evaluate(self, **kwargs):\n"
-      "  return list(super().evaluate(**kwargs).values())\n"))
-  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=eval",
-                   "--config.eval_initial_weights=True", script=script), timeout=90)
-  one_line_error(result, "evaluate() returned list")
+def toy_variant(**methods):
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+  config = toy.get_config()
+  config.training_steps = 3
+  config.eval_initial_weights = True
+  return type("Variant", (toy.Experiment,), methods), config
+
+
+@pytest.mark.parametrize("returned,culprit", [
+    (None, "step() returned NoneType None: return a dict of scalars"),
+    ([1.0], "step() returned list [1.0]: return a dict of scalars"),
+])
+def test_step_returning_no_dict_stops_at_that_step_naming_it(returned, culprit):
+  from jaxline_ng import checkpointing, train  # pylint: disable=import-outside-toplevel
+  steps = []
+
+  def step(self, global_step, rng, writer):
+    steps.append(global_step)
+    return returned
+
+  cls, config = toy_variant(step=step)
+  with pytest.raises(train.ScalarsError) as raised:
+    train.train(cls, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert str(raised.value).startswith(culprit)
+  assert len(steps) == 1  # Raised on the loop's thread, at the step that returned it.
+
+
+def evaluate_variant(tmp_path, evaluate):
+  from jaxline_ng import checkpointing, train, writers  # pylint: disable=import-outside-toplevel
+  cls, config = toy_variant(evaluate=evaluate)
+  writer = writers.make_writer(str(tmp_path))
+  try:
+    with pytest.raises(train.ScalarsError) as raised:
+      train.evaluate(cls, config, checkpointing.InMemoryCheckpointer(config, "eval"), writer,
+                     jaxline_mode="eval", stop_waiting=lambda: True)
+  finally:
+    writer.close()
+  return str(raised.value)
+
+
+def test_evaluate_returning_a_list_names_it(tmp_path):
+  error = evaluate_variant(tmp_path, lambda self, **unused: [1.0, 2.0])
+  assert error.startswith("evaluate() returned list [1.0, 2.0]: return a dict of scalars")
 
 
 def test_evaluate_returning_a_string_writes_the_row_and_names_the_key(tmp_path):
-  script = experiment_script(tmp_path, (
-      "def evaluate(self, **kwargs):\n"
-      "  return {**super().evaluate(**kwargs), 'verdict': 'good'}\n"))
-  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=eval",
-                   "--config.eval_initial_weights=True", script=script), timeout=90)
-  one_line_error(result, "evaluate() returned scalar 'verdict' that is a str ('good')")
-  [row] = read_jsonl(tmp_path / "eval" / "metrics.jsonl")
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+
+  def evaluate(self, **kwargs):
+    return {**toy.Experiment.evaluate(self, **kwargs), "verdict": "good"}
+
+  error = evaluate_variant(tmp_path, evaluate)
+  assert error.startswith("evaluate() returned scalar 'verdict' that is a str ('good')")
+  [row] = read_jsonl(tmp_path / "metrics.jsonl")
   assert row["step"] == 0 and set(row) == {"step", "neg_distance", "params/mean"}
 
 
