@@ -527,7 +527,7 @@ class AsyncWriter:
       raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}.")
     self._writer = writer
     # Items are (method name, (global_step, values)), (_FLUSH, reply queue),
-    # (_RESUME, (global_step, reply queue)) or (_CLOSE, None).
+    # (_RESUME, global_step) or (_CLOSE, None).
     self._ops: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
     # One token per write allowed to be pending: a write takes one, the
     # worker gives it back once that write is done.
@@ -569,9 +569,8 @@ class AsyncWriter:
           if hasattr(self._writer, "prepare"):
             self._writer.prepare()
         elif op == _RESUME:
-          global_step, replies = payload
           if hasattr(self._writer, "resume"):
-            self._writer.resume(global_step)
+            self._writer.resume(payload)
         else:
           global_step, values = payload
           if not all(isinstance(value, _HOST_TYPES) for value in values.values()):
@@ -581,14 +580,12 @@ class AsyncWriter:
         if self._error is None:
           self._error = e
       unflushed = op not in (_CLOSE, _FLUSH, _IDLE_FLUSH, _PREPARE, _RESUME)
-      if op in (_IDLE_FLUSH, _PREPARE):
+      if op in (_IDLE_FLUSH, _PREPARE, _RESUME):
         continue
       if op == _CLOSE:
         return
       if op == _FLUSH:
         payload.put(None)
-      elif op == _RESUME:
-        payload[1].put(None)
       else:
         self._slots.put(None)
 
@@ -640,13 +637,14 @@ class AsyncWriter:
       self._wait_for_worker(replies)
 
   def resume(self, global_step: int) -> None:
-    """Blocks while the wrapped writer drops what an interrupted run wrote past
-    `global_step` (see `JsonlWriter.resume`, `TensorBoardWriter.resume`)."""
+    """Has the wrapped writer drop what an interrupted run wrote past
+    `global_step` (see `JsonlWriter.resume`, `TensorBoardWriter.resume`).
+
+    Queued, not waited for: it runs before every later write, and the
+    run's start does not wait for TensorFlow's import, which precedes it.
+    """
     self._check_writable()
-    replies: queue.SimpleQueue[None] = queue.SimpleQueue()
-    self._ops.put((_RESUME, (global_step, replies)))
-    self._wait_for_worker(replies)
-    self._raise_if_failed()
+    self._ops.put((_RESUME, global_step))
 
   def flush(self) -> None:
     """Blocks until every earlier write is on disk.
