@@ -11,11 +11,14 @@ Flags: `--config=file.py[:arg]` with `--config.key=value` overrides,
 `--jaxline_disable_pmap_jit` (alias `--disable_pmap_jit`), `--jaxline_post_mortem`.
 """
 
+import contextlib
 import os
+import re
 import sys
 from typing import Callable, Sequence
 
 import jax
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -25,6 +28,7 @@ from jaxline_ng import debugging
 from jaxline_ng import multihost
 from jaxline_ng import guards
 from jaxline_ng import preemption
+from jaxline_ng import run_lock
 from jaxline_ng import run_record
 from jaxline_ng import train
 
@@ -71,13 +75,21 @@ def _report_config_errors_in_one_line(config_flag) -> None:
       raise flags.IllegalFlagValueError(
           f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None
     except (AttributeError, KeyError) as e:
-      key = str(e).strip("\"'")
+      # ml_collections wraps a KeyError whose message adds a second line with
+      # a close match ("Did you mean ...") to the key: the first line is the key.
+      cause = e
+      while cause.args and isinstance(cause.args[0], BaseException):
+        cause = cause.args[0]
+      message = str(cause.args[0]) if cause.args else str(cause)
+      key = message.splitlines()[0].strip("\"'") if message.strip() else ""
       override = _override_naming(key)
       if override is None:  # Raised by the config file's own code.
         raise flags.IllegalFlagValueError(
             f"loading {argument!r} failed: {type(e).__name__}: {e}") from None
+      close = re.search(r'Did you mean "([^"]+)"', message)
+      hint = f" (did you mean {close.group(1)!r}?)" if close else ""
       raise flags.IllegalFlagValueError(
-          f"{override}: the config {path!r} has no key {key!r} there") from None
+          f"{override}: the config {path!r} has no key {key!r} there{hint}") from None
     except Exception as e:  # pylint: disable=broad-except  (any failure of user code)
       first_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
       raise flags.IllegalFlagValueError(
@@ -184,6 +196,20 @@ def enable_compilation_cache(config) -> None:
 
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
+  with contextlib.ExitStack() as locks:
+    # The chief's locks stand for the whole run (see `run_lock`); taken
+    # before anything is written, so a refused run changes nothing.
+    if multihost.is_chief():
+      try:
+        locks.enter_context(run_lock.held(config.checkpoint_dir, mode))
+      except OSError as e:
+        raise base_config.ConfigError(
+            f"config.checkpoint_dir={config.checkpoint_dir!r}: cannot write a lock file: "
+            f"{e.strerror or e}") from None
+    _run_locked(experiment_class, config, mode, checkpointer_factory)
+
+
+def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:
   checkpointer = checkpointer_factory(config, mode)
   if multihost.is_multiprocess():
     # Saves made before another process failed still land (later ones are vetoed).
@@ -210,12 +236,46 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
           "(config.checkpointer='memory') live in the training process. Use "
           f"--jaxline_mode={TRAIN_EVAL_MULTITHREADED}, or "
           "--config.eval_initial_weights to evaluate initial weights")
+    # In-memory checkpoints come only from training in this process, which
+    # eval modes do not run: what there is now is all there will be.
+    in_memory = isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
     writer = _writer_and_record(config, mode)
     try:
       train.evaluate(experiment_class, config, checkpointer, writer, jaxline_mode=mode,
-                     poll_interval_secs=config.eval_poll_interval_secs)
+                     poll_interval_secs=config.eval_poll_interval_secs,
+                     stop_waiting=(lambda: True) if in_memory else None)
     finally:
       _close(writer)
+
+
+def _as_config_dict(config):
+  """The config as a ConfigDict; a `get_config()` returning a plain dict is converted.
+
+  Nothing of jaxline's config contract needs more than a ConfigDict built
+  from the same nested values, and a dict is what a new user writes first.
+  """
+  if isinstance(config, ml_collections.ConfigDict):
+    return config
+  if isinstance(config, dict):
+    return ml_collections.ConfigDict(config)
+  raise base_config.ConfigError(
+      f"config file {config_flags.get_config_filename(FLAGS['config'])!r}: get_config() "
+      f"returned a {type(config).__name__}; return an ml_collections.ConfigDict, e.g. "
+      "built on jaxline_ng.base_config.get_base_config()")
+
+
+def _make_checkpoint_dir_absolute(config) -> None:
+  """Resolves a relative `checkpoint_dir` against the working directory, once.
+
+  Orbax refuses relative paths, and a later change of directory (by the
+  experiment, or a library) would move the run's files; every consumer
+  reads the absolute path from the config from here on.
+  """
+  checkpoint_dir = config.checkpoint_dir
+  if checkpoint_dir and not os.path.isabs(checkpoint_dir):
+    config.checkpoint_dir = os.path.abspath(checkpoint_dir)
+    logging.info("[jaxline_ng] config.checkpoint_dir=%r is relative: using %s.",
+                 checkpoint_dir, config.checkpoint_dir)
 
 
 def main(experiment_class, argv: Sequence[str],
@@ -234,9 +294,11 @@ def main(experiment_class, argv: Sequence[str],
     raise SystemExit("jaxline_ng: error: --config is required (a config file: path.py[:arg])")
   mode = _MODE.value
   try:
+    config = _as_config_dict(config)
     if multihost.initialize_if_requested():
       multihost.exit_when_a_peer_fails()
     base_config.validate_config(config)
+    _make_checkpoint_dir_absolute(config)
     check_mode(mode)
     enable_compilation_cache(config)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
@@ -245,7 +307,8 @@ def main(experiment_class, argv: Sequence[str],
     sigterm_to_jax = multihost.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
     with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
-  except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError) as e:
+  except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError,
+          train.ScalarsError, run_lock.RunLockError) as e:
     if multihost.is_multiprocess():
       print(f"jaxline_ng: error: {e}", file=sys.stderr)
       _exit_now_on_failure(f"{type(e).__name__}: {e}", with_traceback=False)

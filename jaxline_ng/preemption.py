@@ -2,9 +2,10 @@
 
 The first signal asks the run to stop: the training loop finishes the step
 in flight, `train` saves `latest`, waits for the save, flushes the writers,
-and the process exits with `EXIT_PREEMPTED`. A second signal exits at once
-(the default action of that signal); a checkpoint being written then is
-left incomplete and ignored on restore.
+and the process exits with `EXIT_PREEMPTED`. A second signal, in any phase
+(the final save and flush included), exits at once, also with
+`EXIT_PREEMPTED`; a checkpoint being written then is left incomplete and
+ignored on restore.
 
 The loop learns of the request through a periodic action (`StopCheck`), so
 experiments that override `train_loop` stop too, as long as they call their
@@ -19,6 +20,7 @@ scheduler's kill after its grace period ends the processes.
 """
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -36,6 +38,10 @@ _stop_requested = threading.Event()
 _reason = ["signal"]
 # Whether SIGTERM is left to JAX's preemption service (`stop_on_signals`).
 _notice_through_jax = [False]
+# Set by the first signal and kept while the run saves and flushes (when
+# the stop request itself is consumed), so a second signal is recognised in
+# every phase. Cleared only by `stop_on_signals`.
+_signalled = threading.Event()
 
 
 class Preempted(Exception):
@@ -57,6 +63,16 @@ def stop_requested() -> bool:
   return _stop_requested.is_set()
 
 
+def wait_for_stop(timeout: float) -> bool:
+  """Waits up to `timeout` seconds for a stop request; returns whether one came."""
+  return _stop_requested.wait(timeout)
+
+
+def stop_reason() -> str:
+  """What asked for the stop, e.g. "SIGTERM"."""
+  return _reason[0]
+
+
 def consume_stop_request() -> None:
   """Marks the request served (the run it stopped has saved), so a later run in
   this process starts afresh."""
@@ -66,11 +82,14 @@ def consume_stop_request() -> None:
 def _on_signal(signum, frame) -> None:
   del frame
   name = signal.Signals(signum).name
-  if _stop_requested.is_set():
-    logging.warning("[jaxline_ng] Second %s: exiting now.", name)
-    signal.signal(signum, signal.SIG_DFL)
-    signal.raise_signal(signum)
-    return
+  if _signalled.is_set():
+    # The run was asked to stop, so the code says so too (a requeueing
+    # scheduler treats it like the first stop); the save in progress is
+    # left incomplete and ignored on restore.
+    logging.warning("[jaxline_ng] Second %s: exiting now with code %d.", name, EXIT_PREEMPTED)
+    logging.flush()
+    os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
+  _signalled.set()
   logging.warning("[jaxline_ng] %s received: stopping after the current step, "
                   "saving, then exiting with code %d. Send it again to exit at once.",
                   name, EXIT_PREEMPTED)
@@ -81,17 +100,25 @@ def _on_signal(signum, frame) -> None:
 def stop_on_signals(sigterm_to_jax: bool = False):
   """Within the block, SIGTERM and SIGINT request a stop; handlers restored after.
 
-  Clears an earlier request first. Signal handlers can only be installed from
+  A signal the program already handles itself (or ignores) keeps its
+  handler. Clears an earlier request first. Signal handlers can only be installed from
   the main thread; elsewhere the block runs with the handlers it has. With
   `sigterm_to_jax` (training in a multi-process run) SIGTERM stays with JAX's
   preemption service, and a stop request gives it the notice.
   """
   _stop_requested.clear()
+  _signalled.clear()
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  signums = (signal.SIGINT,) if sigterm_to_jax else (signal.SIGTERM, signal.SIGINT)
-  previous = {signum: signal.signal(signum, _on_signal) for signum in signums}
+  previous = {}
+  for signum in (signal.SIGINT,) if sigterm_to_jax else (signal.SIGTERM, signal.SIGINT):
+    handler = signal.getsignal(signum)
+    if handler in (signal.SIG_DFL, signal.default_int_handler):
+      previous[signum] = signal.signal(signum, _on_signal)
+    else:  # The experiment handles (or ignores) this signal itself, as jaxline let it.
+      logging.info("[jaxline_ng] %s keeps the handler installed before platform.main.",
+                   signal.Signals(signum).name)
   _notice_through_jax[0] = sigterm_to_jax
   try:
     yield

@@ -5,6 +5,7 @@
 checkpoint once; `train_eval_multithreaded` runs both in one process.
 """
 
+import functools
 import inspect
 import json
 import math
@@ -18,6 +19,7 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import base_config
+from jaxline_ng import checkpointing
 from jaxline_ng import devices
 from jaxline_ng import experiment as experiment_lib
 from jaxline_ng import guards
@@ -37,27 +39,99 @@ EVAL_POLL_SECS = 10.0
 MULTITHREADED_EVAL_POLL_SECS = 0.2
 
 
+class ScalarsError(ValueError):
+  """What `step` or `evaluate` returned cannot be logged; the message names the key."""
+
+
+# Array kinds that are not numbers: bytes, str, object.
+_NON_NUMERIC_KINDS = "SUO"
+
+
+@functools.cache
+def _per_device_lengths() -> tuple[int, ...]:
+  """Lengths of one value per device: per local device from pmap, per device of a mesh."""
+  return (1, jax.local_device_count(), jax.device_count())
+
+
+def _scalar_problem(value: Any) -> Optional[str]:
+  """Why `value` is not a loggable scalar, or None if it is.
+
+  A scalar is a number, or one per local device (a pmap output the
+  experiment did not reduce with `get_first`). Reads only metadata: no
+  transfer, no wait for the devices.
+  """
+  if isinstance(value, (int, float)):
+    return None
+  if isinstance(value, (str, bytes)):
+    return f"is a {type(value).__name__} ({value!r:.40})"
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is None or dtype is None:
+    return f"is a {type(value).__name__}"
+  if getattr(dtype, "kind", "") in _NON_NUMERIC_KINDS:
+    return f"has dtype {dtype}"
+  if not shape or (len(shape) == 1 and shape[0] in _per_device_lengths()):
+    return None
+  return f"has shape {tuple(shape)}"
+
+
+def scalar_problems(scalars: Any, producer: str) -> list[str]:
+  """One line per value of `scalars` that cannot be logged, naming its key.
+
+  Raises ScalarsError if `scalars` is not a mapping at all.
+  """
+  if not isinstance(scalars, Mapping):
+    raise ScalarsError(f"{producer} returned {type(scalars).__name__} {scalars!r:.60}: return a "
+                       "dict of scalars {name: value} (an empty dict to log nothing)")
+  problems = []
+  for name, value in scalars.items():
+    problem = _scalar_problem(value)
+    if problem is not None:
+      problems.append(f"{producer} returned scalar {name!r} that {problem}: return numbers, "
+                      "or one per local device")
+  return problems
+
+
 def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   """Copies step/evaluate outputs to host numbers for logging.
 
   A value may be a scalar or one copy per local device (a pmap output the
   experiment did not reduce with `get_first`); the first device's copy is
-  taken then. Anything else is an error naming the scalar.
+  taken then. Anything else is a ScalarsError naming the scalar.
   """
+  problems = scalar_problems(scalars, "the experiment")
+  if problems:
+    raise ScalarsError(problems[0])
   values = dict(scalars)
   if any(isinstance(value, jax.Array) for value in values.values()):
     values = devices.first_copy_to_host(values)
   result = {}
   for name, value in values.items():
     array = np.asarray(value)
-    if array.ndim == 1 and array.shape[0] in (1, jax.local_device_count()):
+    if array.ndim == 1:
       array = array[0]
-    if array.ndim != 0:
-      raise ValueError(
-          f"scalar {name!r} has shape {np.shape(value)}: return scalars, or one "
-          "value per local device")
     result[name] = array.item()
   return result
+
+
+class _StepScalarsCheck:
+  """A periodic action: stops the run at the first step whose outputs cannot be logged.
+
+  Runs on the loop's thread, first of all actions, while the outputs are
+  still what `step` returned: logging reads them later on its own thread,
+  after taking the first device's copy (which hides the real shape).
+  """
+
+  def __call__(self, t: float, step: int, scalars: Any) -> None:
+    del t, step
+    problems = scalar_problems(scalars, "step()")
+    if problems:
+      raise ScalarsError(problems[0])
+
+  def finish(self) -> None:
+    pass
+
+  def wait_to_finish(self) -> None:
+    pass
 
 
 def _interval_type(config, specific_key: str) -> str:
@@ -144,6 +218,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   # jaxline_ng's checkpointers run the guard on their save worker (waiting for
   # the step there, not here); a user's checkpointer gets a checked state.
   validates = "validate" in inspect.signature(checkpointer.save).parameters
+  durable = writer is not None and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
 
   def save_latest(step=None, scalars=None):
     del step, scalars
@@ -151,6 +226,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
       return  # The final save right after a periodic one at the same step.
     if "checkpoint" in actions:
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
+    if durable:
+      _flush_metrics(actions.get("write"), writer, config.log_all_train_data)
     if validates:
       checkpointer.save("latest", validate=guard.seal(
           then=peer_checks and peer_checks.before_save(state.global_step)))
@@ -169,6 +246,25 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
                                if checkpoint_type == "steps" else None),
         start_time=saved_at_time, start_step=saved_at_step)
   return actions, save_latest
+
+
+def _flush_metrics(write: Optional[periodic.PeriodicAction], writer,
+                   log_all_train_data: bool) -> None:
+  """Puts every metric row up to the current step on disk.
+
+  A resumed run never redoes the steps a checkpoint covers, so their rows
+  must be on disk before it can be: this runs before a durable `save`, and
+  the checkpoint is committed after that, on the save worker. The wait is
+  for the write action's due steps (the devices finishing the current
+  step) and the writer's flush; `python -m benchmarks.metrics_before_save`
+  measures it.
+  """
+  if write is not None:
+    if log_all_train_data:
+      write.finish()  # Every step's row is kept: those since the last write are held back.
+    else:
+      write.wait_to_finish()
+  writer.flush()
 
 
 def train(experiment_class, config, checkpointer, writer,
@@ -203,6 +299,11 @@ def train(experiment_class, config, checkpointer, writer,
     _check_resumed_config(getattr(state, "run_config", None), run_config,
                           config.strict_resume_config)
   state.run_config = run_config
+  if (writer is not None and hasattr(writer, "resume")
+      and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)):
+    # Rows an interrupted run wrote past its last checkpoint are redone from
+    # here: the old ones go, in metrics.jsonl and TensorBoard alike.
+    writer.resume(state.global_step)
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
   guard = guards.NonFiniteGuard(config.non_finite_policy)
@@ -224,7 +325,8 @@ def train(experiment_class, config, checkpointer, writer,
     own_actions.append(profiling.ProfileWindow(
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
         steps_completed=state.global_step))
-  actions = [*periodic_actions, *own_actions]
+  # Outputs that cannot be logged stop the run first, while they are as `step` returned them.
+  actions = [_StepScalarsCheck(), *periodic_actions, *own_actions]
   if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
     save_latest()
 
@@ -341,9 +443,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
 
   Stops after evaluating a checkpoint whose step ends training (by the
   experiment's `should_run_step`), after one evaluation with
-  `one_off_evaluate`, or — in `train_eval_multithreaded`, where
-  `stop_waiting()` reports the training thread gone — when no new checkpoint
-  will come.
+  `one_off_evaluate`, or when `stop_waiting()` says no new checkpoint will
+  come (in `train_eval_multithreaded`, the training thread is gone). A stop
+  request (`preemption`) ends it after the evaluation in progress, or at
+  once while it waits, by raising `preemption.Preempted`.
   """
   if jaxline_mode is None:
     from absl import flags  # Only the command-line path reads the flag.
@@ -370,8 +473,12 @@ def evaluate(experiment_class, config, checkpointer, writer,
   restored_path = None
   evaluated_step = -1
   initial_weights_pending = config.eval_initial_weights
+  asked_to_stop = False
   while True:
     # --- Wait for something to evaluate. ---
+    if _stop_evaluating():
+      asked_to_stop = True
+      break
     path = checkpointer.restore_path("latest")
     if path is not None and path != restored_path:
       with experiment_lib.log_activity("checkpoint restore"):
@@ -381,10 +488,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
         continue
     elif path is None and initial_weights_pending:
       state.global_step = 0
-    elif (stop_waiting is not None and stop_waiting()) or _stop_evaluating():
+    elif stop_waiting is not None and stop_waiting():
       break
     else:
-      time.sleep(poll_interval_secs)
+      preemption.wait_for_stop(poll_interval_secs)  # A stop request ends the wait at once.
       continue
     initial_weights_pending = False
     evaluated_step = state.global_step
@@ -393,11 +500,19 @@ def evaluate(experiment_class, config, checkpointer, writer,
     global_step_devices = rng.step_counter(state.global_step)
     with experiment_lib.log_activity(f"evaluation at step {state.global_step}"):
       scalars = evaluate_fn(global_step=global_step_devices, rng=eval_rng, writer=writer)
-    _check_best_metric(config, scalars)
-    values = host_scalars(scalars)
+    # The row's loggable values are written before a bad one stops the run:
+    # an evaluation can take hours.
+    problems = scalar_problems(scalars, "evaluate()")
+    values = host_scalars({name: value for name, value in scalars.items()
+                           if _scalar_problem(value) is None})
     logging.info("[jaxline_ng] eval step %d: %s", state.global_step, values)
     if writer is not None:
       writer.write_scalars(state.global_step, values)
+    if problems:
+      if writer is not None:
+        writer.flush()
+      raise ScalarsError(problems[0])
+    _check_best_metric(config, scalars)
     if best is not None:
       best.update(state.global_step, values)
 
@@ -406,6 +521,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
       break
   checkpointer.wait_for_checkpointing_to_finish()
   flush_if_possible(writer)
+  if asked_to_stop:
+    logging.warning("[jaxline_ng] Evaluation stopped by %s after step %d.",
+                    preemption.stop_reason(), evaluated_step)
+    raise preemption.Preempted(f"evaluation stopped by {preemption.stop_reason()}")
 
 
 def flush_if_possible(writer) -> None:
@@ -454,12 +573,23 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
 
   trainer = threading.Thread(target=run_training, name="jaxline_ng_train", daemon=True)
   trainer.start()
-  # If evaluation raises, its error propagates and the daemon trainer ends
-  # with the process.
-  evaluate(experiment_class, config, checkpointer, eval_writer,
-           jaxline_mode="train_eval_multithreaded",
-           poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
-           stop_waiting=lambda: not trainer.is_alive())
+  # A stop request stops the trainer too, which saves first: it is waited
+  # for. If evaluation fails, the trainer is asked to stop and waited for,
+  # so its last save lands and the evaluation's error is the one reported.
+  try:
+    evaluate(experiment_class, config, checkpointer, eval_writer,
+             jaxline_mode="train_eval_multithreaded",
+             poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
+             stop_waiting=lambda: not trainer.is_alive())
+  except preemption.Preempted:
+    trainer.join()
+    if training_errors:
+      raise training_errors[0] from None
+    raise
+  except Exception:
+    preemption.request_stop("the evaluator's failure")
+    trainer.join()
+    raise
   trainer.join()
   if training_errors:
     raise training_errors[0]

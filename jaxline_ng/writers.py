@@ -15,6 +15,7 @@ import json
 import math
 import os
 import queue
+import socket
 import struct
 import threading
 import time
@@ -49,6 +50,7 @@ _LIVENESS_POLL_SECONDS = 1.0
 _FLUSH = "flush"
 _IDLE_FLUSH = "idle flush"  # The worker's own, not queued by a caller.
 _PREPARE = "prepare"  # Queued first, by the constructor.
+_RESUME = "resume"
 _CLOSE = "close"
 
 
@@ -138,6 +140,8 @@ class TensorBoardWriter:
     self._rows: list[tuple[int, bytes]] = []
     self._last_commit = time.monotonic()
     self._closed = False
+    # Whether the log held event files (an earlier run's) when this writer opened its own.
+    self._earlier_events: bool | None = None
 
   def _open(self) -> None:
     if self._closed:
@@ -157,6 +161,8 @@ class TensorBoardWriter:
       pass  # The TF runtime is already initialised; its settings are fixed.
     # TF reports a bad logdir as an op failure; this gives a plain OSError.
     os.makedirs(self._logdir, exist_ok=True)
+    if self._earlier_events is None:
+      self._earlier_events = bool(_event_files(self._logdir))
     writer = tf.summary.create_file_writer(self._logdir)
 
     # An explicit while_loop, not autograph: autograph converts the function
@@ -227,12 +233,53 @@ class TensorBoardWriter:
       self._commit()
       self._writer.flush()
 
+  def resume(self, global_step: int) -> None:
+    """Marks a restart after `global_step`: TensorBoard drops earlier runs' points past it.
+
+    TensorBoard's own mechanism: a `SessionLog` START event at step s hides
+    every point at step >= s read before it, except that the first START of
+    a log only marks its beginning. Two are written, so the second hides
+    the points whether or not the earlier runs wrote a first one (a second
+    purge at the same step changes nothing). They go in a file of their own,
+    named to sort after the earlier runs' files, and this writer then
+    starts a new file that sorts after it (TensorBoard reads a log's files
+    in name order), so this run's points stay. Without earlier event files
+    there is nothing to hide and nothing is written.
+    """
+    self._open()
+    if not self._earlier_events:
+      return
+    from tensorboard.compat.proto import event_pb2  # Loaded with TensorFlow, by now.
+
+    self._commit()
+    self._writer.close()
+    self._writer = None
+    now = time.time()
+    path = os.path.join(self._logdir, f"events.out.tfevents.{int(now):010d}."
+                        f"{socket.gethostname()}.{os.getpid()}.resume")
+    with self._tf.io.TFRecordWriter(path) as records:
+      records.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2")
+                    .SerializeToString())
+      start = event_pb2.Event(
+          wall_time=now, step=int(global_step) + 1,
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+      records.write(start.SerializeToString())
+      records.write(start.SerializeToString())
+    # Event file names start with the second they were made in: the next
+    # one must be made in a later second to sort after this one.
+    time.sleep(max(0.0, math.floor(now) + 1 - time.time()) + 0.01)
+    self._open()
+
   def close(self) -> None:
     if self._writer is not None:
       self._commit()
       self._writer.close()
       self._writer = None
     self._closed = True
+
+
+def _event_files(logdir: str) -> list[str]:
+  return [name for name in os.listdir(logdir) if ".tfevents." in name]
 
 
 def _varint(value: int) -> bytes:
@@ -340,6 +387,35 @@ class JsonlWriter:
     self._file.write(data)
     self._file.flush()
 
+  def resume(self, global_step: int) -> None:
+    """Drops rows past `global_step` (an interrupted run's, about to be redone).
+
+    The rows kept stay byte for byte; the file is replaced atomically, so a
+    crash here leaves either the old file or the new one. A torn last line
+    (the interrupted run died mid-write) goes too.
+    """
+    self.flush()
+    if not os.path.exists(self._path):
+      return
+    with open(self._path, "rb") as f:
+      lines = f.readlines()
+    # Rows are appended in step order: only the tail past `global_step` is parsed.
+    keep = len(lines)
+    while keep and ((step := _row_step(lines[keep - 1])) is None or step > global_step):
+      keep -= 1
+    if keep == len(lines):
+      return
+    kept = lines[:keep]
+    temporary = self._path + ".resume"
+    with open(temporary, "wb") as f:
+      f.writelines(kept)
+      f.flush()
+      os.fsync(f.fileno())
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    os.replace(temporary, self._path)
+
   def close(self) -> None:
     if self._closed:
       return
@@ -349,6 +425,17 @@ class JsonlWriter:
         self.flush()
       finally:
         self._file.close()
+
+
+def _row_step(line: bytes) -> int | None:
+  """The step of a complete JSONL row; None for a torn or foreign line."""
+  if not line.endswith(b"\n"):
+    return None
+  try:
+    step = json.loads(line).get("step")
+  except (ValueError, AttributeError):
+    return None
+  return step if isinstance(step, int) else None
 
 
 class MultiWriter:
@@ -362,9 +449,11 @@ class MultiWriter:
   def __init__(self, writers: Sequence[Writer]):
     self._writers = tuple(writers)
 
-  def _call_all(self, method: str, *args: Any) -> None:
+  def _call_all(self, method: str, *args: Any, skip_missing: bool = False) -> None:
     errors = []
     for writer in self._writers:
+      if skip_missing and not hasattr(writer, method):
+        continue
       try:
         getattr(writer, method)(*args)
       except Exception as e:
@@ -394,6 +483,10 @@ class MultiWriter:
 
   def flush(self) -> None:
     self._call_all("flush")
+
+  def resume(self, global_step: int) -> None:
+    """Resumes the writers that know how (see `JsonlWriter.resume`)."""
+    self._call_all("resume", global_step, skip_missing=True)
 
   def close(self) -> None:
     self._call_all("close")
@@ -433,8 +526,8 @@ class AsyncWriter:
     if max_queue_size < 1:
       raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}.")
     self._writer = writer
-    # Items are (method name, (global_step, values)), (_FLUSH, reply queue)
-    # or (_CLOSE, None).
+    # Items are (method name, (global_step, values)), (_FLUSH, reply queue),
+    # (_RESUME, global_step) or (_CLOSE, None).
     self._ops: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
     # One token per write allowed to be pending: a write takes one, the
     # worker gives it back once that write is done.
@@ -475,6 +568,9 @@ class AsyncWriter:
         elif op == _PREPARE:
           if hasattr(self._writer, "prepare"):
             self._writer.prepare()
+        elif op == _RESUME:
+          if hasattr(self._writer, "resume"):
+            self._writer.resume(payload)
         else:
           global_step, values = payload
           if not all(isinstance(value, _HOST_TYPES) for value in values.values()):
@@ -483,8 +579,8 @@ class AsyncWriter:
       except BaseException as e:
         if self._error is None:
           self._error = e
-      unflushed = op not in (_CLOSE, _FLUSH, _IDLE_FLUSH, _PREPARE)
-      if op in (_IDLE_FLUSH, _PREPARE):
+      unflushed = op not in (_CLOSE, _FLUSH, _IDLE_FLUSH, _PREPARE, _RESUME)
+      if op in (_IDLE_FLUSH, _PREPARE, _RESUME):
         continue
       if op == _CLOSE:
         return
@@ -539,6 +635,16 @@ class AsyncWriter:
       replies: queue.SimpleQueue[None] = queue.SimpleQueue()
       self._ops.put((_FLUSH, replies))
       self._wait_for_worker(replies)
+
+  def resume(self, global_step: int) -> None:
+    """Has the wrapped writer drop what an interrupted run wrote past
+    `global_step` (see `JsonlWriter.resume`, `TensorBoardWriter.resume`).
+
+    Queued, not waited for: it runs before every later write, and the
+    run's start does not wait for TensorFlow's import, which precedes it.
+    """
+    self._check_writable()
+    self._ops.put((_RESUME, global_step))
 
   def flush(self) -> None:
     """Blocks until every earlier write is on disk.

@@ -226,8 +226,9 @@ def test_sigterm_to_one_process_of_an_eval_job_stops_every_process(tmp_path):
   for index in range(2):
     launch.wait_for(rf"^\[p{index}\] .*eval step 20:")
   os.kill(pids[1], signal.SIGTERM)
-  assert launch.finish() == 0, launch.output
-  assert launch.exit_codes() == [0, 0], launch.output
+  # Stopped on request: 75 in every mode and every process.
+  assert launch.finish() == 75, launch.output
+  assert launch.exit_codes() == [75, 75], launch.output
 
 
 class _Ended:

@@ -537,3 +537,25 @@ def test_writes_show_up_without_a_flush_while_the_run_goes_on(tmp_path):
     assert _read_scalars(tmp_path) == [(1, "loss", 1.0), (2, "loss", 2.0), (3, "loss", 3.0)]
   finally:
     writer.close()
+
+
+def test_jsonl_resume_drops_rows_past_the_step_and_a_torn_line_keeping_the_rest(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  kept = b'{"step": 1, "loss": 0.5}\n{"step": 2, "loss": NaN}\n'
+  path.write_bytes(kept + b'{"step": 3, "loss": 0.25}\n{"step": 4, "lo')
+  writer = writers.JsonlWriter(str(path))
+  writer.resume(2)
+  assert path.read_bytes() == kept
+  writer.write_scalars(3, {"loss": 0.125})
+  writer.close()
+  assert path.read_bytes() == kept + b'{"step": 3, "loss": 0.125}\n'
+
+
+def test_async_resume_runs_before_the_writes_after_it(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_bytes(b'{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n')
+  writer = writers.AsyncWriter(writers.JsonlWriter(str(path)))
+  writer.resume(1)
+  writer.write_scalars(2, {"x": 3})
+  writer.close()
+  assert path.read_bytes() == b'{"step": 1, "x": 1}\n{"step": 2, "x": 3}\n'

@@ -1,0 +1,344 @@
+"""The faults and mistakes a real user makes, run as the user would: real processes.
+
+Each case ends one of two ways: the run goes on correctly, or it stops
+within seconds with one line naming the culprit.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join(ROOT, "tests", "experiments", "toy.py")
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+           JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+
+
+def toy(*args, config=TOY, script=TOY):
+  return [sys.executable, script, f"--config={config}", *args]
+
+
+def run(args, cwd=ROOT, timeout=120):
+  return subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_relative_checkpoint_dir_with_disk_checkpoints(tmp_path):
+  result = run(toy("--config.checkpoint_dir=runs/x", "--config.checkpointer=disk",
+                   "--config.training_steps=10", "--config.save_checkpoint_interval=5"),
+               cwd=tmp_path)
+  assert result.returncode == 0, result.stderr[-3000:]
+  run_dir = tmp_path / "runs" / "x"
+  assert sorted(os.listdir(run_dir / "checkpoints" / "latest")) == ["10", "5"]
+  assert read_jsonl(run_dir / "train" / "metrics.jsonl")[-1]["step"] == 10
+  with open(run_dir / "train" / "run.json") as f:
+    assert json.load(f)["config"]["checkpoint_dir"] == str(run_dir)
+
+
+def test_override_one_letter_off_a_key_is_one_line_with_a_hint(tmp_path):
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_step=5"),
+               timeout=60)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  lines = [l for l in result.stderr.splitlines() if "--config.training_step:" in l]
+  assert len(lines) == 1, result.stderr[-2000:]
+  assert "has no key 'training_step' there (did you mean 'training_steps'?)" in lines[0]
+  assert "Did you mean" not in result.stderr
+
+
+def test_get_config_returning_a_plain_dict_is_accepted(tmp_path):
+  config_file = tmp_path / "dict_config.py"
+  config_file.write_text(
+      "from jaxline_ng import base_config\n"
+      "def get_config():\n"
+      "  config = base_config.get_base_config().to_dict()\n"
+      "  config.update(training_steps=4, interval_type='steps', log_train_data_interval=2,\n"
+      "                experiment_kwargs={'config': {'learning_rate': 0.1, 'dim': 3,\n"
+      "                                              'fail_at_step': -1, 'fail_on_process': -1,\n"
+      "                                              'record_keys_dir': ''}})\n"
+      "  return config\n")
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=6",
+                   config=str(config_file)))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [r["step"] for r in read_jsonl(tmp_path / "train" / "metrics.jsonl")] == [2, 4, 6]
+
+
+def test_get_config_returning_something_else_names_the_config_file(tmp_path):
+  config_file = tmp_path / "list_config.py"
+  config_file.write_text("def get_config():\n  return [1, 2]\n")
+  result = run(toy(config=str(config_file)), timeout=60)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  assert f"config file '{config_file}': get_config() returned a list" in result.stderr
+
+
+def signal_after(args, markers, timeout=60, cwd=ROOT):
+  """Runs `args`; sends SIGTERM after each log line containing the next of `markers`.
+
+  Returns (exit code, stderr, seconds from the last signal to the exit).
+  """
+  process = subprocess.Popen(args, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+  lines, pending = [], list(markers)
+  try:
+    for line in process.stderr:
+      lines.append(line)
+      if pending and pending[0] in line:
+        pending.pop(0)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        if not pending:
+          break
+    _, rest = process.communicate(timeout=timeout)
+  finally:
+    process.kill()
+  assert not pending, "".join(lines)[-3000:]
+  return process.returncode, "".join(lines) + rest, time.monotonic() - signalled
+
+
+@pytest.mark.parametrize("mode", ["eval", "eval_holdout"])
+def test_sigterm_to_an_eval_job_waiting_for_checkpoints_exits_75_at_once(tmp_path, mode):
+  code, stderr, secs = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+          f"--jaxline_mode={mode}", "--config.eval_poll_interval_secs=300"),
+      ["experiment init finished"], timeout=120)
+  assert code == 75, stderr[-3000:]
+  assert secs < 60  # Not the poll interval: the wait ends at the signal.
+  assert "Evaluation stopped by SIGTERM" in stderr
+
+
+def test_sigterm_to_train_eval_multithreaded_exits_75(tmp_path):
+  code, stderr, _ = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=train_eval_multithreaded",
+          "--config.training_steps=1000000"),
+      ["step 10/"])
+  assert code == 75, stderr[-3000:]
+  assert "stopped by SIGTERM after step" in stderr
+
+
+def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path):
+  script = tmp_path / "slow_save.py"
+  script.write_text(
+      "import functools, sys, time\n"
+      f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
+      "import toy\n"
+      "from absl import app\n"
+      "from jaxline_ng import platform\n"
+      "class SlowSave(toy.Experiment):\n"
+      "  def snapshot_state(self):\n"
+      "    time.sleep(300)  # Only the final save snapshots: periodic saves are off.\n"
+      "    return super().snapshot_state()\n"
+      "app.run(functools.partial(platform.main, SlowSave))\n")
+  code, stderr, secs = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000000",
+          "--config.save_checkpoint_interval=1000000000", script=str(script)),
+      ["step 10/", "final checkpoint starting"], timeout=120)
+  assert code == 75, stderr[-3000:]
+  assert secs < 60  # Not the final save's 300 s.
+  assert "Second SIGTERM: exiting now with code 75" in stderr
+
+
+def test_eval_job_with_in_memory_checkpoints_evaluates_initial_weights_and_ends(tmp_path):
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=eval",
+                   "--config.eval_initial_weights=True"), timeout=60)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [r["step"] for r in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [0]
+
+
+def experiment_script(tmp_path, body):
+  """A script running a subclass of the toy experiment with `body` as its class body."""
+  script = tmp_path / "variant.py"
+  script.write_text(
+      "import functools, sys\n"
+      f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
+      "import jax, jax.numpy as jnp\n"
+      "import toy\n"
+      "from absl import app\n"
+      "from jaxline_ng import platform\n"
+      "class Variant(toy.Experiment):\n"
+      + "".join(f"  {line}\n" for line in body.splitlines()) +
+      "app.run(functools.partial(platform.main, Variant))\n")
+  return str(script)
+
+
+def one_line_error(result, culprit):
+  assert result.returncode not in (0, 75), result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  lines = [l for l in result.stderr.splitlines() if l.startswith("jaxline_ng: error:")]
+  assert len(lines) == 1 and culprit in lines[0], result.stderr[-3000:]
+  return lines[0]
+
+
+def test_step_returning_a_per_device_vector_is_one_line_with_its_real_shape(tmp_path):
+  script = experiment_script(tmp_path, (
+      "def step(self, **kwargs):\n"
+      "  loss = super().step(**kwargs)['loss']\n"
+      "  return {'loss': loss, 'per_dim': jnp.zeros((jax.local_device_count(), 3))}\n"))
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", script=script), timeout=90)
+  one_line_error(result, "step() returned scalar 'per_dim' that has shape (4, 3)")
+
+
+def toy_variant(**methods):
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+  config = toy.get_config()
+  config.training_steps = 3
+  config.eval_initial_weights = True
+  return type("Variant", (toy.Experiment,), methods), config
+
+
+@pytest.mark.parametrize("returned,culprit", [
+    (None, "step() returned NoneType None: return a dict of scalars"),
+    ([1.0], "step() returned list [1.0]: return a dict of scalars"),
+])
+def test_step_returning_no_dict_stops_at_that_step_naming_it(returned, culprit):
+  from jaxline_ng import checkpointing, train  # pylint: disable=import-outside-toplevel
+  steps = []
+
+  def step(self, global_step, rng, writer):
+    steps.append(global_step)
+    return returned
+
+  cls, config = toy_variant(step=step)
+  with pytest.raises(train.ScalarsError) as raised:
+    train.train(cls, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert str(raised.value).startswith(culprit)
+  assert len(steps) == 1  # Raised on the loop's thread, at the step that returned it.
+
+
+def evaluate_variant(tmp_path, evaluate):
+  from jaxline_ng import checkpointing, train, writers  # pylint: disable=import-outside-toplevel
+  cls, config = toy_variant(evaluate=evaluate)
+  writer = writers.make_writer(str(tmp_path))
+  try:
+    with pytest.raises(train.ScalarsError) as raised:
+      train.evaluate(cls, config, checkpointing.InMemoryCheckpointer(config, "eval"), writer,
+                     jaxline_mode="eval", stop_waiting=lambda: True)
+  finally:
+    writer.close()
+  return str(raised.value)
+
+
+def test_evaluate_returning_a_list_names_it(tmp_path):
+  error = evaluate_variant(tmp_path, lambda self, **unused: [1.0, 2.0])
+  assert error.startswith("evaluate() returned list [1.0, 2.0]: return a dict of scalars")
+
+
+def test_evaluate_returning_a_string_writes_the_row_and_names_the_key(tmp_path):
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+
+  def evaluate(self, **kwargs):
+    return {**toy.Experiment.evaluate(self, **kwargs), "verdict": "good"}
+
+  error = evaluate_variant(tmp_path, evaluate)
+  assert error.startswith("evaluate() returned scalar 'verdict' that is a str ('good')")
+  [row] = read_jsonl(tmp_path / "metrics.jsonl")
+  assert row["step"] == 0 and set(row) == {"step", "neg_distance", "params/mean"}
+
+
+def test_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_path):
+  first = subprocess.Popen(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+          "--config.training_steps=1000000", "--config.save_checkpoint_interval=5"),
+      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    for line in first.stderr:
+      if "Saved checkpoint latest" in line:
+        break
+    started = time.monotonic()
+    second = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+                     "--config.training_steps=1000000"), timeout=60)
+    refused_in = time.monotonic() - started
+    assert first.poll() is None  # The first run is untouched and goes on.
+    # An eval job only reads what training writes: it runs beside it.
+    evaluator = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+                        "--jaxline_mode=eval", "--config.one_off_evaluate=True"), timeout=90)
+    assert evaluator.returncode == 0, evaluator.stderr[-3000:]
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 75
+  finally:
+    first.kill()
+  line = one_line_error(second, f"config.checkpoint_dir={str(tmp_path)!r} is in use")
+  assert f"held by process {first.pid} on host " in line
+  assert refused_in < 30
+  assert read_jsonl(tmp_path / "eval" / "metrics.jsonl")
+
+
+def test_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
+  args = toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+             "--config.training_steps=40", "--config.save_checkpoint_interval=5")
+  killed = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+  try:
+    for line in killed.stderr:
+      if "Saved checkpoint latest" in line:
+        killed.kill()
+        break
+    killed.wait(timeout=30)
+  finally:
+    killed.kill()
+  result = run(args)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"Taking over the train lock {tmp_path / 'train' / 'run.lock'} from process {killed.pid}" \
+      in result.stderr
+  assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 40
+
+
+def test_sigkill_after_a_checkpoint_keeps_every_metric_row_it_covers(tmp_path):
+  process = subprocess.Popen(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+          "--config.training_steps=1000000", "--config.save_checkpoint_interval=10",
+          "--config.log_train_data_interval=1"),
+      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    for line in process.stderr:
+      if "Saved checkpoint latest/30 " in line:
+        process.kill()
+        break
+    process.wait(timeout=30)
+  finally:
+    process.kill()
+  newest = max(int(name) for name in os.listdir(tmp_path / "checkpoints" / "latest")
+               if name.isdigit())
+  assert newest >= 30
+  steps = {row["step"] for row in read_jsonl(tmp_path / "train" / "metrics.jsonl")}
+  assert set(range(1, newest + 1)) <= steps
+
+
+def tensorboard_steps(logdir, tag):
+  """The steps of `tag`'s points as the TensorBoard server loads them."""
+  from tensorboard.backend.event_processing import plugin_event_accumulator  # pylint: disable=import-outside-toplevel
+  accumulator = plugin_event_accumulator.EventAccumulator(
+      str(logdir), tensor_size_guidance={"scalars": 0})  # 0: keep every point.
+  accumulator.Reload()
+  return [event.step for event in accumulator.Tensors(tag)]
+
+
+def test_resumed_run_has_no_duplicated_or_orphaned_metric_rows(tmp_path):
+  args = toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+             "--config.training_steps=30", "--config.save_checkpoint_interval=10",
+             "--config.log_train_data_interval=1")
+  first = run(args)
+  assert first.returncode == 0, first.stderr[-3000:]
+  # As if killed after writing the rows of steps 21..30 but before checkpoint 30 was
+  # committed: the rerun resumes from step 20 and writes those steps again.
+  os.rename(tmp_path / "checkpoints" / "latest" / "30", tmp_path / "lost_30")
+  with open(tmp_path / "train" / "metrics.jsonl", "ab") as f:
+    f.write(b'{"step": 31, "lo')  # And died mid-row.
+  time.sleep(1)  # The rerun's event files sort after the first run's.
+  second = run(args)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "Restored checkpoint" in second.stderr
+  rows = read_jsonl(tmp_path / "train" / "metrics.jsonl")
+  assert [row["step"] for row in rows] == list(range(1, 31))
+  assert tensorboard_steps(tmp_path / "train", "loss") == list(range(1, 31))
