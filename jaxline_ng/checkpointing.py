@@ -27,6 +27,7 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import devices, periodic, rng
+from jaxline_ng import mesh as mesh_lib
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
@@ -142,6 +143,28 @@ class SaveWorker:
     persist(jax.device_get(nest))
 
 
+def _host_snapshot(module) -> dict[str, Any]:
+  """`module.snapshot_state()` as host values.
+
+  With the default `snapshot_state` in pmap mode, replicated state is read
+  from the first device straight into host memory: the same values, without
+  the device copy that `get_first` makes (a dispatch that runs on the
+  training thread, at every save).
+  """
+  # Deferred: experiment imports this module's users, not the other way round.
+  from jaxline_ng import experiment as experiment_lib
+  if (type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state
+      or mesh_lib.active_mesh() is not None):
+    return jax.device_get(module.snapshot_state())
+  attrs, non_broadcast_attrs = experiment_lib.checkpoint_attrs(module)
+  replicated = devices.first_copy_to_host({name: getattr(module, attr)
+                                           for attr, name in attrs.items()})
+  snapshot = jax.tree.map(lambda leaf: leaf[0, ...], replicated)  # 0-d stays an array
+  snapshot.update(jax.device_get({name: getattr(module, attr)
+                                  for attr, name in non_broadcast_attrs.items()}))
+  return snapshot
+
+
 def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
   """Loads a snapshot (either jaxline layout) into `state`."""
   # Deferred: experiment imports this module's users, not the other way round.
@@ -199,11 +222,11 @@ class InMemoryCheckpointer:
     if validate is not None:
       validate()
     state = self.get_experiment_state(ckpt_series)
-    nest = snapshotted_items(state)
+    nest = jax.device_get(snapshotted_items(state))
     module = getattr(state, "experiment_module", None)
     if module is not None:
-      nest["experiment_module"] = module.snapshot_state()
-    snapshot = ml_collections.ConfigDict(jax.device_get(nest))
+      nest["experiment_module"] = _host_snapshot(module)
+    snapshot = ml_collections.ConfigDict(nest)
     series = self._series(ckpt_series)
     with self._lock:
       next_id = series.history[-1].id + 1 if series.history else 0

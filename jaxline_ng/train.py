@@ -264,7 +264,7 @@ def _flush_metrics(write: Optional[periodic.PeriodicAction], writer,
       write.finish()  # Every step's row is kept: those since the last write are held back.
     else:
       write.wait_to_finish()
-  writer.flush()
+  flush_if_possible(writer)
 
 
 def train(experiment_class, config, checkpointer, writer,
@@ -509,8 +509,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     if writer is not None:
       writer.write_scalars(state.global_step, values)
     if problems:
-      if writer is not None:
-        writer.flush()
+      flush_if_possible(writer)
       raise ScalarsError(problems[0])
     _check_best_metric(config, scalars)
     if best is not None:
