@@ -15,22 +15,24 @@ import contextlib
 import os
 import re
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxline_ng import base_config
-from jaxline_ng import checkpointing
-from jaxline_ng import debugging
-from jaxline_ng import multihost
-from jaxline_ng import guards
-from jaxline_ng import preemption
-from jaxline_ng import run_lock
-from jaxline_ng import run_record
-from jaxline_ng import train
+from jaxline_ng import (
+  base_config,
+  checkpointing,
+  debugging,
+  guards,
+  multihost,
+  preemption,
+  run_lock,
+  run_record,
+  train,
+)
 
 FLAGS = flags.FLAGS
 
@@ -211,6 +213,11 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
 
 def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:
   checkpointer = checkpointer_factory(config, mode)
+  if checkpointer_factory is not create_checkpointer and config.checkpointer != "memory":
+    # The experiment chose its checkpointer in code; the key cannot change it.
+    logging.warning("[jaxline_ng] config.checkpointer=%r has no effect: the experiment passes "
+                    "its own checkpointer_factory (%s).", config.checkpointer,
+                    type(checkpointer).__name__)
   if multihost.is_multiprocess():
     # Saves made before another process failed still land (later ones are vetoed).
     multihost.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
@@ -233,7 +240,7 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
         and not checkpointer.can_be_restored("latest") and not config.eval_initial_weights):
       raise base_config.ConfigError(
           f"--jaxline_mode={mode} would wait forever: in-memory checkpoints "
-          "(config.checkpointer='memory') live in the training process. Use "
+          f"({type(checkpointer).__name__}) live in the training process. Use "
           f"--jaxline_mode={TRAIN_EVAL_MULTITHREADED}, or "
           "--config.eval_initial_weights to evaluate initial weights")
     # In-memory checkpoints come only from training in this process, which

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 from absl.testing import flagsaver
@@ -144,3 +145,28 @@ def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
   last = read_jsonl(metrics)[-1]
   assert f"stopped by SIGTERM after step {last['step']}" in stderr
   assert "Saved in-memory checkpoint latest" in stderr
+
+
+def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_another(
+    tmp_path, monkeypatch):
+  """eigengame passes its own InMemoryCheckpointer subclass: --config.checkpointer=disk then
+  cannot take effect, and a refused eval job must name what it was given, not the key."""
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+
+  class OwnCheckpointer(utils.InMemoryCheckpointer):
+    pass
+
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.checkpointer = "disk"
+  config.training_steps = 2
+  with mock.patch("absl.logging.warning") as warning:
+    with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+      platform.main(toy.Experiment, [], checkpointer_factory=OwnCheckpointer)
+  assert any("has no effect" in str(call) and "OwnCheckpointer" in str(call)
+             for call in warning.call_args_list)
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+  with flagsaver.flagsaver(config=config, jaxline_mode="eval"):
+    with pytest.raises(SystemExit, match=r"would wait forever: in-memory checkpoints \(Own"):
+      platform.main(toy.Experiment, [], checkpointer_factory=OwnCheckpointer)
