@@ -30,6 +30,7 @@ def main() -> None:
 
   sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
   import toy  # pylint: disable=import-outside-toplevel
+
   from jaxline_ng import disk_checkpointing, train, writers  # pylint: disable=import-outside-toplevel
 
   timings = []

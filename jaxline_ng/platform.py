@@ -97,6 +97,8 @@ def _report_config_errors_in_one_line(config_flag) -> None:
       raise flags.IllegalFlagValueError(
           f"loading {argument!r} failed: {type(e).__name__}: {first_line}") from None
 
+  # ml_collections' flag has no public hook for its parse errors, and flag
+  # values are parsed inside `app.run`, before any code of ours could catch them.
   config_flag._parse = parse_or_explain  # pylint: disable=protected-access
 
 

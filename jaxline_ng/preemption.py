@@ -24,7 +24,6 @@ import os
 import signal
 import threading
 import time
-from typing import Optional
 
 from absl import logging
 
@@ -143,7 +142,7 @@ class StopCheck:
   the first step stops the run after it.
   """
 
-  def __init__(self, budget_secs: Optional[float] = None, start_step: int = 0):
+  def __init__(self, budget_secs: float | None = None, start_step: int = 0):
     self._budget_secs = budget_secs
     self._agreed = multihost.is_multiprocess()
     if self._agreed:

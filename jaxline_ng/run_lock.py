@@ -31,7 +31,7 @@ import fcntl
 import json
 import os
 import socket
-from typing import Iterator
+from collections.abc import Iterator
 
 from absl import logging
 
@@ -86,7 +86,7 @@ def _acquire(path: str, role: str, mode: str) -> int:
     logging.warning("[jaxline_ng] Taking over the %s lock %s from %s, which ended without "
                     "releasing it.", role, path, _describe(previous))
   me = {"host": socket.gethostname(), "pid": os.getpid(), "mode": mode,
-        "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
   os.ftruncate(fd, 0)
   os.pwrite(fd, json.dumps(me).encode(), 0)
   return fd

@@ -12,25 +12,28 @@ import math
 import os
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import base_config
-from jaxline_ng import checkpointing
-from jaxline_ng import devices
+from jaxline_ng import (
+  base_config,
+  checkpointing,
+  devices,
+  guards,
+  multihost,
+  periodic,
+  preemption,
+  profiling,
+  rng,
+  run_record,
+  xla_cpu,
+)
 from jaxline_ng import experiment as experiment_lib
-from jaxline_ng import guards
 from jaxline_ng import mesh as mesh_lib
-from jaxline_ng import multihost
-from jaxline_ng import periodic
-from jaxline_ng import preemption
-from jaxline_ng import profiling
-from jaxline_ng import rng
-from jaxline_ng import run_record
-from jaxline_ng import xla_cpu
 
 # How often a separate eval job looks for a new checkpoint (jaxline's value).
 EVAL_POLL_SECS = 10.0
@@ -53,7 +56,7 @@ def _per_device_lengths() -> tuple[int, ...]:
   return (1, jax.local_device_count(), jax.device_count())
 
 
-def _scalar_problem(value: Any) -> Optional[str]:
+def _scalar_problem(value: Any) -> str | None:
   """Why `value` is not a loggable scalar, or None if it is.
 
   A scalar is a number, or one per local device (a pmap output the
@@ -146,7 +149,7 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-def _progress_line(step: int, training_steps: Optional[int], scalars: Mapping[str, Any]) -> str:
+def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, Any]) -> str:
   """"step 120/1000 (12.0%), 85.1 steps/s, ETA 0:00:10 | loss=0.31", from the
   scalars of `step` (with the `steps_per_sec` a periodic action adds)."""
   scalars = dict(scalars)
@@ -173,7 +176,7 @@ class _SaveAction(periodic.PeriodicAction):
 
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
                               guard: guards.NonFiniteGuard,
-                              peer_checks: Optional[guards.PeerChecks] = None):
+                              peer_checks: guards.PeerChecks | None = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
   The guard sees what logging and writing copy to the host, and each save
@@ -248,7 +251,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   return actions, save_latest
 
 
-def _flush_metrics(write: Optional[periodic.PeriodicAction], writer,
+def _flush_metrics(write: periodic.PeriodicAction | None, writer,
                    log_all_train_data: bool) -> None:
   """Puts every metric row up to the current step on disk.
 
@@ -371,7 +374,7 @@ def _every_process_saves(checkpointer) -> bool:
   return getattr(checkpointer, "every_process_saves", False)
 
 
-def _check_resumed_config(saved: Optional[str], current: str, strict: bool) -> None:
+def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None:
   """Logs (or, if `strict`, refuses) config keys that differ from the checkpoint's."""
   if saved is None:
     return
@@ -431,7 +434,7 @@ def _check_best_metric(config, scalars: Mapping[str, Any]) -> None:
 
 
 def evaluate(experiment_class, config, checkpointer, writer,
-             jaxline_mode: Optional[str] = None, *,
+             jaxline_mode: str | None = None, *,
              poll_interval_secs: float = EVAL_POLL_SECS,
              stop_waiting=None) -> None:
   """Evaluates each new checkpoint of the `latest` series once.

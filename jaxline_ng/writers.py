@@ -544,8 +544,9 @@ class AsyncWriter:
     self._ops.put((_PREPARE, None))
     self._thread.start()
     atexit.register(self.close)
-    # CPython's hook for work due as the main thread finishes, before
-    # `atexit` (see above). It cannot be unregistered, so it refers to the
+    # A private CPython hook, because no public one runs after the main
+    # thread's code but before `atexit`, when importing TensorFlow still
+    # works (see above). It cannot be unregistered, so it refers to the
     # writer weakly, letting a closed writer be garbage-collected.
     threading._register_atexit(_drain_if_alive, weakref.ref(self))
 

@@ -49,7 +49,7 @@ def test_override_one_letter_off_a_key_is_one_line_with_a_hint(tmp_path):
                timeout=60)
   assert result.returncode != 0
   assert "Traceback" not in result.stderr
-  lines = [l for l in result.stderr.splitlines() if "--config.training_step:" in l]
+  lines = [line for line in result.stderr.splitlines() if "--config.training_step:" in line]
   assert len(lines) == 1, result.stderr[-2000:]
   assert "has no key 'training_step' there (did you mean 'training_steps'?)" in lines[0]
   assert "Did you mean" not in result.stderr
@@ -173,7 +173,7 @@ def experiment_script(tmp_path, body):
 def one_line_error(result, culprit):
   assert result.returncode not in (0, 75), result.stderr[-3000:]
   assert "Traceback" not in result.stderr, result.stderr[-3000:]
-  lines = [l for l in result.stderr.splitlines() if l.startswith("jaxline_ng: error:")]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("jaxline_ng: error:")]
   assert len(lines) == 1 and culprit in lines[0], result.stderr[-3000:]
   return lines[0]
 
