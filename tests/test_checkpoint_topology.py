@@ -21,6 +21,7 @@ TOY = os.path.join("tests", "experiments", "toy.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
 import toy  # noqa: E402  (found through the sys.path entry above)
+from test_mesh import Recorder  # noqa: E402  (the same loss recorder)
 
 
 def toy_args(checkpoint_dir, steps, *extra):
@@ -108,18 +109,6 @@ def test_mesh_params_sharded_over_two_processes_save_resume_and_match(tmp_path):
 def back_to_pmap_mode():
   yield
   mesh._active[0] = None  # pylint: disable=protected-access
-
-
-class Recorder:
-
-  def __init__(self):
-    self.losses = {}
-
-  def write_scalars(self, global_step, scalars):
-    self.losses[global_step] = scalars["loss"]
-
-  def flush(self):
-    pass
 
 
 def test_mesh_checkpoint_restores_onto_another_mesh_shape(tmp_path, back_to_pmap_mode):

@@ -274,19 +274,25 @@ def test_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_p
   assert read_jsonl(tmp_path / "eval" / "metrics.jsonl")
 
 
+def kill_at(args, marker):
+  """Runs `args` and SIGKILLs it as soon as its log shows `marker`; returns the process."""
+  process = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+  try:
+    for line in process.stderr:
+      if marker in line:
+        process.kill()
+        break
+    process.wait(timeout=30)
+  finally:
+    process.kill()
+  return process
+
+
 def test_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
   args = toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
              "--config.training_steps=40", "--config.save_checkpoint_interval=5")
-  killed = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-  try:
-    for line in killed.stderr:
-      if "Saved checkpoint latest" in line:
-        killed.kill()
-        break
-    killed.wait(timeout=30)
-  finally:
-    killed.kill()
+  killed = kill_at(args, "Saved checkpoint latest")
   result = run(args)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"Taking over the train lock {tmp_path / 'train' / 'run.lock'} from process {killed.pid}" \
@@ -295,19 +301,9 @@ def test_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
 
 
 def test_sigkill_after_a_checkpoint_keeps_every_metric_row_it_covers(tmp_path):
-  process = subprocess.Popen(
-      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
-          "--config.training_steps=1000000", "--config.save_checkpoint_interval=10",
-          "--config.log_train_data_interval=1"),
-      cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  try:
-    for line in process.stderr:
-      if "Saved checkpoint latest/30 " in line:
-        process.kill()
-        break
-    process.wait(timeout=30)
-  finally:
-    process.kill()
+  kill_at(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+              "--config.training_steps=1000000", "--config.save_checkpoint_interval=10",
+              "--config.log_train_data_interval=1"), "Saved checkpoint latest/30 ")
   newest = max(int(name) for name in os.listdir(tmp_path / "checkpoints" / "latest")
                if name.isdigit())
   assert newest >= 30
