@@ -42,7 +42,24 @@ _MODE = flags.DEFINE_string(
     "jaxline_mode", "train",
     "train, eval, eval_<name> or train_eval_multithreaded.")
 
+# jaxline's TPU flags, so launch scripts that pass them keep working.
+_TPU_DRIVER = flags.DEFINE_string(
+    "jaxline_tpu_driver", "", "jaxline's remote TPU driver address; JAX no longer has one.")
+_ENSURE_TPU = flags.DEFINE_bool(
+    "jaxline_ensure_tpu", False, "Fail unless JAX's default backend is a TPU.")
+
 TRAIN_EVAL_MULTITHREADED = "train_eval_multithreaded"
+
+
+def check_tpu_flags() -> None:
+  """Raises ConfigError for jaxline's TPU flags where they cannot be honoured."""
+  if _TPU_DRIVER.value:
+    raise base_config.ConfigError(
+        f"--jaxline_tpu_driver={_TPU_DRIVER.value!r}: JAX removed the TPU driver backend; "
+        "drop the flag (JAX finds local TPUs itself)")
+  if _ENSURE_TPU.value and jax.default_backend() != "tpu":
+    raise base_config.ConfigError(
+        f"--jaxline_ensure_tpu: JAX's default backend is {jax.default_backend()!r}, not a TPU")
 
 
 def _override_naming(key: str) -> str | None:
@@ -309,6 +326,7 @@ def main(experiment_class, argv: Sequence[str],
     base_config.validate_config(config)
     _make_checkpoint_dir_absolute(config)
     check_mode(mode)
+    check_tpu_flags()
     enable_compilation_cache(config)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     # Training processes agree on stops through JAX's preemption service,

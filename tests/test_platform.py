@@ -72,6 +72,9 @@ def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
     ([f"--config={TOY}", "--config.checkpoint_dir=/proc/no_such_dir"],
      "config.checkpoint_dir='/proc/no_such_dir': cannot write"),
     ([], "--config"),
+    ([f"--config={TOY}", "--jaxline_ensure_tpu"], "--jaxline_ensure_tpu: JAX's default backend"),
+    ([f"--config={TOY}", "--jaxline_tpu_driver=grpc://10.0.0.2:8470"],
+     "--jaxline_tpu_driver='grpc://10.0.0.2:8470': JAX removed"),
 ])
 def test_bad_input_fails_fast_with_one_line_naming_the_culprit(tmp_path, args, culprit):
   if args and not any(a.startswith("--config.checkpoint_dir") for a in args):
