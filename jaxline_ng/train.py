@@ -310,10 +310,12 @@ def train(experiment_class, config, checkpointer, writer,
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
   guard = guards.NonFiniteGuard(config.non_finite_policy)
-  # With several processes the chief's saves wait for the others' guards
-  # (unless every process saves its own checkpoints).
+  # With several processes the chief's saves wait for the others' guards,
+  # unless every process saves: its own tree (`train_checkpoint_all_hosts`),
+  # or its shards of global arrays, whose scalars every process sees alike.
   peer_checks = None
-  if multihost.is_multiprocess() and not config.train_checkpoint_all_hosts:
+  if (multihost.is_multiprocess() and not config.train_checkpoint_all_hosts
+      and not _every_process_saves(checkpointer)):
     peer_checks = guards.PeerChecks(guard)
     if not save_checkpoints:
       peer_checks.answer()
