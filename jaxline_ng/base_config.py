@@ -89,6 +89,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
 class ConfigError(ValueError):
   """A config that cannot run; the message names the key and the value."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:

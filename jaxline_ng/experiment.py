@@ -228,6 +228,8 @@ class log_activity:  # pylint: disable=invalid-name  (jaxline's name, used as a 
     elapsed = time.perf_counter() - self._start
     if exc_type is None:
       logging.info("[jaxline_ng] %s finished (%.2fs).", self._name, elapsed)
+    elif getattr(exc, "one_line", False):  # Bad input or output: the message says it all.
+      logging.error("[jaxline_ng] %s failed after %.2fs: %s", self._name, elapsed, exc)
     elif issubclass(exc_type, Exception) and not issubclass(exc_type, preemption.Preempted):
       # The traceback is logged here, where the activity is named: a failure
       # on a background thread may be re-raised far from it, or not at all.

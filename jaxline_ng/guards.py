@@ -49,6 +49,7 @@ _VERDICT_POLL_SECS = 0.01
 
 class NonFiniteError(FloatingPointError):
   """A training scalar was NaN or infinite (policy "halt")."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def non_finite_names(scalars: Mapping[str, Any]) -> list[str]:

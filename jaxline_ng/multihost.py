@@ -58,6 +58,7 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 class MultihostError(RuntimeError):
   """The distributed runtime could not start; the message names the flag."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def initialize_if_requested() -> bool:

@@ -38,6 +38,7 @@ from absl import logging
 
 class RunLockError(RuntimeError):
   """Another live run holds the lock; the message names it."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def roles(mode: str) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ MULTITHREADED_EVAL_POLL_SECS = 0.2
 
 class ScalarsError(ValueError):
   """What `step` or `evaluate` returned cannot be logged; the message names the key."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 # Array kinds that are not numbers: bytes, str, object.

@@ -284,3 +284,14 @@ def test_a_requested_stop_is_not_logged_as_a_failure():
         raise preemption.Preempted("stopped by SIGTERM after step 7")
   exception.assert_not_called()
   assert "stopped by SIGTERM after step 7" in str(warning.call_args)
+
+
+def test_bad_input_is_logged_in_one_line_without_a_traceback():
+  from jaxline_ng import base_config as config_lib  # pylint: disable=import-outside-toplevel
+  with mock.patch("absl.logging.exception") as exception, \
+      mock.patch("absl.logging.error") as error:
+    with pytest.raises(config_lib.ConfigError):
+      with utils.log_activity("experiment init"):
+        raise config_lib.ConfigError("config.training_steps='many' is not a number")
+  exception.assert_not_called()
+  assert "config.training_steps='many'" in str(error.call_args)

@@ -64,7 +64,9 @@ def test_get_config_returning_a_plain_dict_is_accepted(tmp_path):
       "  config.update(training_steps=4, interval_type='steps', log_train_data_interval=2,\n"
       "                experiment_kwargs={'config': {'learning_rate': 0.1, 'dim': 3,\n"
       "                                              'fail_at_step': -1, 'fail_on_process': -1,\n"
-      "                                              'record_keys_dir': ''}})\n"
+      "                                              'record_keys_dir': '',\n"
+      "                                              'step_sleep_secs': 0.0,\n"
+      "                                              'nan_from_step': -1, 'nan_on_process': -1}})\n"
       "  return config\n")
   result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=6",
                    config=str(config_file)))
