@@ -168,11 +168,15 @@ def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, 
 
 
 class _SaveAction(periodic.PeriodicAction):
-  """Periodic saving: it reads no scalars, so it does not wait for the step."""
+  """Periodic saving: it reads no scalars, so it does not wait for the step,
+  and leaves the last step to the final save (`train`)."""
 
   def _act_on(self, due):
     for step, _, _ in due:
       self._fn(step, None)
+
+  def finish(self) -> None:
+    self.wait_to_finish()
 
 
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
