@@ -19,6 +19,7 @@ running well after another ended are stopped.
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,11 +46,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _relay(stream, prefix: str, out, lock: threading.Lock) -> None:
+# What a failing process, and each peer that learns of it, logs first.
+_FAILURE_LINE = re.compile(r"\[jaxline_ng\] Process (\d+) failed")
+
+
+def _relay(stream, prefix: str, out, lock: threading.Lock, named_failures: list[int]) -> None:
   for line in stream:
     with lock:
       out.write(f"{prefix} {line}")
       out.flush()
+      match = _FAILURE_LINE.search(line)
+      if match:
+        named_failures.append(int(match.group(1)))
 
 
 def _stop(processes) -> None:
@@ -69,14 +77,20 @@ def _failed(code: int | None) -> bool:
   return code not in (None, 0, _EXIT_PREEMPTED)
 
 
-def _run_exit_code(processes, ended_at: dict[int, float]) -> tuple[int, int | None]:
+def _run_exit_code(processes, ended_at: dict[int, float],
+                   named_failures: tuple[int, ...] = ()) -> tuple[int, int | None]:
   """The run's exit code, and the index of the process it blames (None if no failure).
 
   The process that failed first is the cause: the others exit with its code
-  when they learn of it, or are killed. An error exit (code > 0) is preferred
-  to a death by signal (code < 0), which may be a consequence.
+  when they learn of it, or are killed. The first process the logs name as
+  failed decides (peers exit within milliseconds of it, too close to tell
+  apart by time); else the first to end, an error exit (code > 0) before a
+  death by signal (code < 0), which may be a consequence.
   """
   failed = [i for i, p in enumerate(processes) if _failed(p.returncode)]
+  named = [i for i in named_failures if i in failed]
+  if named:
+    return processes[named[0]].returncode, named[0]
   if failed:
     index = min(failed, key=lambda i: (processes[i].returncode < 0, ended_at[i], i))
     return processes[index].returncode, index
@@ -91,6 +105,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
   address = f"127.0.0.1:{port or _free_port()}"
   lock = threading.Lock()
   processes, relays = [], []
+  named_failures: list[int] = []  # Process indices, in the order the logs name them failed.
   for index in range(num_processes):
     env = dict(os.environ,
                JAX_COORDINATOR_ADDRESS=address,
@@ -102,8 +117,9 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1)
     processes.append(process)
-    relay = threading.Thread(target=_relay, args=(process.stdout, f"[p{index}]", sys.stdout, lock),
-                             daemon=True)
+    relay = threading.Thread(
+        target=_relay, args=(process.stdout, f"[p{index}]", sys.stdout, lock, named_failures),
+        daemon=True)
     relay.start()
     relays.append(relay)
 
@@ -134,9 +150,9 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     _stop(processes)
   for index in range(len(processes)):
     ended_at.setdefault(index, time.monotonic())
-  exit_code, blamed = _run_exit_code(processes, ended_at)
-  for relay in relays:
+  for relay in relays:  # Their last lines may name the failed process.
     relay.join(timeout=5)
+  exit_code, blamed = _run_exit_code(processes, ended_at, tuple(named_failures))
   with lock:
     print("[launch] exit codes: " + ", ".join(
         f"process {i}: {p.returncode}" for i, p in enumerate(processes)), flush=True)

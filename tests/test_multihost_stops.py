@@ -236,15 +236,18 @@ class _Ended:
     self.returncode = returncode
 
 
-@pytest.mark.parametrize("codes, ended_at, expected", [
-    ([75, 75], [0, 1], (75, None)),  # Stopped on request.
-    ([0, 0], [0, 1], (0, None)),
-    ([75, 1], [0, 1], (1, 1)),  # A failure outranks a requested stop.
-    ([1, 1], [5, 2], (1, 1)),  # The first process to fail is the cause.
-    ([-9, 2], [0, 1], (2, 1)),  # An error exit before a death by signal.
+@pytest.mark.parametrize("codes, ended_at, named, expected", [
+    ([75, 75], [0, 1], (), (75, None)),  # Stopped on request.
+    ([0, 0], [0, 1], (), (0, None)),
+    ([75, 1], [0, 1], (), (1, 1)),  # A failure outranks a requested stop.
+    ([1, 1], [5, 2], (), (1, 1)),  # The first process to fail is the cause.
+    ([-9, 2], [0, 1], (), (2, 1)),  # An error exit before a death by signal.
+    # Ended in the same poll: the process the logs first name as failed is the cause.
+    ([1, 1], [3, 3], (1, 1), (1, 1)),
 ])
-def test_the_launcher_exits_75_only_when_every_process_stopped_on_request(codes, ended_at,
+def test_the_launcher_exits_75_only_when_every_process_stopped_on_request(codes, ended_at, named,
                                                                             expected):
   from jaxline_ng import launch as launch_lib  # pylint: disable=import-outside-toplevel
   processes = [_Ended(code) for code in codes]
-  assert launch_lib._run_exit_code(processes, dict(enumerate(ended_at))) == expected  # pylint: disable=protected-access
+  assert launch_lib._run_exit_code(  # pylint: disable=protected-access
+      processes, dict(enumerate(ended_at)), named) == expected
