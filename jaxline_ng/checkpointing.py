@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from jaxline_ng import devices, periodic, rng
+from jaxline_ng import devices, rng
 from jaxline_ng import mesh as mesh_lib
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
@@ -88,59 +88,6 @@ def global_checkpoint_dict() -> dict[str, CheckpointNT]:
   """
   from jaxline_ng import utils  # Deferred: utils re-exports this module.
   return utils.GLOBAL_CHECKPOINT_DICT
-
-
-def device_snapshot(state) -> dict[str, Any]:
-  """`state` in jaxline 0.0.8's snapshot layout, with fresh device copies of its arrays.
-
-  Cheap for the calling thread: copies are dispatched, not waited for. Being
-  new buffers, donating the live state in the next step, or anything the
-  loop dispatches later, cannot change the snapshot.
-  """
-  # Deferred: experiment imports this module's users, not the other way round.
-  from jaxline_ng import experiment as experiment_lib
-
-  nest = devices.fresh_copies(snapshotted_items(state))
-  module = getattr(state, "experiment_module", None)
-  if module is not None:
-    snapshot = module.snapshot_state()
-    if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
-      snapshot = devices.fresh_copies(snapshot)  # An override may return live arrays.
-    nest["experiment_module"] = snapshot
-  return nest
-
-
-class SaveWorker:
-  """One background thread that finishes saves, one at a time, in order.
-
-  `submit(nest, validate, persist)` waits for the previous save, then
-  returns while, on the worker, `validate()` runs (it may wait for the
-  step's outputs; if it raises, the save is dropped and the validator
-  reports its own failure), the snapshot is copied to host memory and
-  `persist(host_nest)` stores it. An error while persisting is raised on
-  the caller's thread by the next `submit` or by `wait`.
-  """
-
-  def __init__(self, name: str):
-    self._finish = periodic.make_async(name)(self._finish_one)
-
-  def submit(self, nest: dict[str, Any], validate: Callable[[], None] | None,
-             persist: Callable[[dict[str, Any]], None]) -> None:
-    self.wait()
-    self._finish(nest, validate, persist)
-
-  def wait(self) -> None:
-    """Blocks until every save submitted so far is finished; raises a failure."""
-    self._finish.wait()
-
-  @staticmethod
-  def _finish_one(nest, validate, persist) -> None:
-    if validate is not None:
-      try:
-        validate()
-      except Exception:  # pylint: disable=broad-except  (the validator reports its own failure)
-        return
-    persist(jax.device_get(nest))
 
 
 def _host_snapshot(module) -> dict[str, Any]:

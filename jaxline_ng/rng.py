@@ -222,10 +222,9 @@ def eval_keys(random_seed: int, mode: str):
   return devices.put_per_device(np.asarray(keys))
 
 
-def step_counter(global_step: int, like=None):
+def step_counter(global_step: int):
   """`global_step` as a step receives it: a read-only host `int32[local devices]`
   (pmap; `global_step[0]` is free, as in jaxline) or an `int32` scalar (mesh mode)."""
-  del like
   if mesh_lib.active_mesh() is not None:
     return np.int32(global_step)
   steps = np.full((jax.local_device_count(),), global_step, np.int32)

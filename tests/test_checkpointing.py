@@ -5,7 +5,6 @@ import threading
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import pytest
 
 from jaxline_ng import base_config, checkpointing, experiment, train, utils
 
@@ -164,21 +163,3 @@ def test_restore_right_after_save_restores_that_save():
   assert state.global_step == 2
   np.testing.assert_array_equal(utils.get_first(state.experiment_module._params)["w"],  # pylint: disable=protected-access
                                 np.full(3, 2.0))
-
-
-def test_a_failing_background_save_is_raised_by_the_next_save_and_stops_saving():
-  worker = checkpointing.SaveWorker("test")
-  stored = []
-
-  def persist(nest):
-    if nest["n"] == 1:
-      raise OSError("disk full")
-    stored.append(nest["n"])
-
-  worker.submit({"n": 0}, None, persist)
-  worker.submit({"n": 1}, None, persist)
-  with pytest.raises(OSError, match="disk full"):
-    worker.submit({"n": 2}, None, persist)
-  with pytest.raises(OSError, match="disk full"):
-    worker.wait()
-  assert stored == [0]
