@@ -278,7 +278,22 @@ def _steps(series_dir: str) -> list[int]:
   return sorted(int(name) for name in os.listdir(series_dir) if name.isdigit())
 
 
-def _read_meta(path: str) -> dict[str, Any]:
+def _reader(together: bool) -> ocp.Checkpointer:
+  """An orbax reader for this process alone, or for every process `together`.
+
+  Orbax's default (every process, no names) synchronises with a device
+  collective, which in `train_eval_multithreaded` interleaves with the
+  training thread's and times out. Alone, there is no barrier; naming the
+  processes makes orbax wait at the distributed runtime's barrier instead.
+  """
+  me = jax.process_index()
+  processes = set(range(jax.process_count())) if together else {me}
+  return ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
+                          multiprocessing_options=ocp.options.MultiprocessingOptions(
+                              primary_host=0 if together else me, active_processes=processes))
+
+
+def _read_meta(path: str, together: bool = False) -> dict[str, Any]:
   """The checked JSON of a step directory; raises UnusableCheckpoint (or
   CheckpointRefused for another format) saying what is wrong."""
   if os.path.isdir(os.path.join(path, "arrays")) and not os.path.isdir(
@@ -288,7 +303,7 @@ def _read_meta(path: str) -> dict[str, Any]:
         f"numbered); this version reads format {FORMAT} (a named orbax tree in state/). Resume "
         "it with the jaxline_ng that wrote it, or start a fresh run from its weights")
   try:
-    meta = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+    meta = _reader(together).restore(
         os.path.abspath(path), args=ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()})
     )[_META_ITEM]
   except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
@@ -329,9 +344,9 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str) -> Any
       f"{None if live_treedef is None else live_treedef.num_leaves}")
 
 
-def _read_arrays(path: str, live_nest: dict[str, Any]):
+def _read_arrays(path: str, live_nest: dict[str, Any], together: bool):
   """`_load` up to the checksums: what every process does on its own."""
-  meta = _read_meta(path)
+  meta = _read_meta(path, together)
   live = _named_entries(live_nest)
   wants_module = "experiment_module" in live_nest
   entries = meta["entries"]
@@ -390,7 +405,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any]):
   restored: dict[str, Any] = {}
   if targets:
     try:
-      restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+      restored = _reader(together).restore(
           os.path.abspath(path), args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
               item=targets, restore_args=restore_args, partial_restore=True)}))[_STATE_ITEM]
     except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
@@ -408,7 +423,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any]):
 
 
 def _load(path: str, live_nest: dict[str, Any],
-          agree: Callable[[bool], bool] = lambda ok: ok) -> tuple[dict[str, Any], dict[str, Any]]:
+          together: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
   """Reads and checks a step directory: `(snapshot, its topology)`.
 
   Arrays are restored onto the shardings of the live arrays they replace
@@ -420,7 +435,7 @@ def _load(path: str, live_nest: dict[str, Any],
   """
   error = None
   try:
-    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest)
+    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, together)
     values = [at(tree_path) for tree_path, *_ in expected]
   except CheckpointRefused:
     raise
@@ -428,7 +443,8 @@ def _load(path: str, live_nest: dict[str, Any],
     error = e
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
     error = UnusableCheckpoint(f"its metadata is malformed ({type(e).__name__}: {e})")
-  everywhere = agree(error is None)
+  everywhere = (error is None if not together
+                else int(multihost.all_reduce_sum(np.int32(error is not None))) == 0)
   if error is not None:
     raise error
   if not everywhere:
@@ -670,28 +686,37 @@ class DiskCheckpointer:
     candidates = self._candidates(ckpt_series)
     return candidates[0] if candidates else None
 
-  def restore(self, ckpt_series: str) -> None:
-    """Loads the newest usable checkpoint of `ckpt_series`.
+  def restore(self, ckpt_series: str, path: str | None = None) -> None:
+    """Loads the newest usable checkpoint of `ckpt_series`, or the newest up to `path`.
 
     Newer ones that fail are reported and, by the process that writes the
     series, moved aside once an older one has loaded. Raises
     CheckpointRefused when none can be used.
+
+    Args:
+      ckpt_series: the series, e.g. "latest".
+      path: a step directory `restore_path` returned: the processes of a
+        multi-process evaluation restore the one the chief chose, even when
+        a newer one has landed since.
     """
+    candidates = self._candidates(ckpt_series)
+    if path in candidates:
+      candidates = candidates[candidates.index(path):]
     state = self.get_experiment_state(ckpt_series)
     fresh_run = not _steps(os.path.join(self._read_root, ckpt_series))
     live = checkpointing.snapshotted_items(state)
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)
     failures = []
-    for path in self._candidates(ckpt_series):
+    for candidate in candidates:
       try:
-        nest, topology = _load(path, live, agree=self._agree)
+        nest, topology = _load(candidate, live, together=self.every_process_saves)
       except CheckpointRefused:
         raise
       except (UnusableCheckpoint, KeyError, TypeError, IndexError, AttributeError) as e:
         logging.warning("[jaxline_ng] Checkpoint %s could not be loaded: %s; trying the "
-                        "previous one.", path, e)
-        failures.append((path, e))
+                        "previous one.", candidate, e)
+        failures.append((candidate, e))
         continue
       if fresh_run and ckpt_series == "latest":
         # `restore_path` seeds a new run: its weights, not its step or keys.
@@ -701,19 +726,13 @@ class DiskCheckpointer:
       if not fresh_run:
         self._move_aside([p for p, _ in failures], ckpt_series)
       checkpointing.restore_snapshot(state, nest)
-      logging.info("[jaxline_ng] Restored checkpoint %s.", path)
+      logging.info("[jaxline_ng] Restored checkpoint %s.", candidate)
       return
     if not failures:
       raise CheckpointRefused(f"no checkpoint for series {ckpt_series!r} in {self._read_root}")
     raise CheckpointRefused(
         f"no usable checkpoint for series {ckpt_series!r}: {failures[0][0]}: {failures[0][1]}"
         + (f" (and {len(failures) - 1} older ones)" if len(failures) > 1 else ""))
-
-  def _agree(self, ok: bool) -> bool:
-    """Whether every process that restores together read its part of a checkpoint."""
-    if not self.every_process_saves:
-      return ok
-    return int(multihost.all_reduce_sum(np.int32(not ok))) == 0
 
   def _move_aside(self, paths: list[str], ckpt_series: str) -> None:
     """Moves unusable step directories out of the series, so saves go past their steps."""

@@ -8,7 +8,8 @@ Each process gets `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
 runtime) and `devices_per_process` fake CPU devices. Their output is
 interleaved line by line, each line prefixed `[p<i>]`; the launcher's own
 lines (`[launch]`) give each process's pid at the start, to signal one of
-them, and each exit code at the end.
+them, and each exit code at the end. A SIGTERM or Ctrl-C to the launcher is
+passed on to every process as SIGTERM.
 
 The processes of a jaxline_ng run end together (`jaxline_ng.multihost`):
 the launcher waits for all of them and exits with 75 when the run was
@@ -114,8 +115,11 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
                JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={devices_per_process}"))
+    # In a process group of its own: a Ctrl-C at the terminal reaches the
+    # launcher alone, which passes it on once (a second signal to a process
+    # means "exit now, without saving").
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, bufsize=1)
+                               stderr=subprocess.STDOUT, text=True, bufsize=1, process_group=0)
     processes.append(process)
     relay = threading.Thread(
         target=_relay, args=(process.stdout, f"[p{index}]", sys.stdout, lock, named_failures),
@@ -127,6 +131,19 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     with lock:
       print(f"[launch] process {index}: pid {process.pid}", flush=True)
 
+  def pass_on(signum, frame):
+    # A scheduler's SIGTERM (or a Ctrl-C) to the launcher is a stop request to
+    # every process, which then agree on a step, save it and exit 75.
+    del frame
+    with lock:
+      print(f"[launch] {signal.Signals(signum).name}: passing it on to every process as SIGTERM",
+            flush=True)
+    for process in processes:
+      if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+
+  previous_handlers = {signum: signal.signal(signum, pass_on)
+                       for signum in (signal.SIGTERM, signal.SIGINT)}
   ended_at: dict[int, float] = {}
   try:
     while len(ended_at) < len(processes):
@@ -144,10 +161,9 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
           _stop(processes)
           break
       time.sleep(0.05)
-  except KeyboardInterrupt:
-    # The processes had the SIGINT too: they agree on a step and stop; this
-    # bounds how long the launcher waits for them.
-    _stop(processes)
+  finally:
+    for signum, handler in previous_handlers.items():
+      signal.signal(signum, handler)
   for index in range(len(processes)):
     ended_at.setdefault(index, time.monotonic())
   for relay in relays:  # Their last lines may name the failed process.

@@ -7,6 +7,7 @@ checkpoint once; `train_eval_multithreaded` runs both in one process.
 
 import functools
 import inspect
+import itertools
 import json
 import math
 import os
@@ -480,29 +481,36 @@ def evaluate(experiment_class, config, checkpointer, writer,
   evaluate_fn = experiment_lib.evaluate_should_return_dict(
       experiment_lib.keyword_filtered(experiment.evaluate))
 
+  # Processes restoring from shared storage (jaxline_ng's disk checkpoints)
+  # take the checkpoints the chief chooses; others each evaluate their own.
+  follow_chief = (multihost.is_multiprocess()
+                  and "path" in inspect.signature(checkpointer.restore).parameters)
   restored_path = None
   evaluated_step = -1
   initial_weights_pending = config.eval_initial_weights
   asked_to_stop = False
-  while True:
+  for decision in itertools.count():
     # --- Wait for something to evaluate. ---
-    if _stop_evaluating():
+    def next_checkpoint():
+      return _next_checkpoint(checkpointer, restored_path, initial_weights_pending,
+                              stop_waiting, poll_interval_secs)
+    action, path = _agreed(decision, next_checkpoint) if follow_chief else next_checkpoint()
+    if action == "stop":
       asked_to_stop = True
       break
-    path = checkpointer.restore_path("latest")
-    if path is not None and path != restored_path:
+    if action == "done":
+      break
+    if action == "restore":
       with experiment_lib.log_activity("checkpoint restore"):
-        checkpointer.restore("latest")
+        if follow_chief:
+          checkpointer.restore("latest", path=path)  # The chief's choice, not a newer one.
+        else:
+          checkpointer.restore("latest")
       restored_path = path
       if state.global_step <= evaluated_step:
         continue
-    elif path is None and initial_weights_pending:
+    else:  # "initial"
       state.global_step = 0
-    elif stop_waiting is not None and stop_waiting():
-      break
-    else:
-      preemption.wait_for_stop(poll_interval_secs)  # A stop request ends the wait at once.
-      continue
     initial_weights_pending = False
     evaluated_step = state.global_step
 
@@ -544,6 +552,51 @@ def flush_if_possible(writer) -> None:
     flush()
 
 
+def _next_checkpoint(checkpointer, restored_path, initial_weights_pending: bool, stop_waiting,
+                     poll_interval_secs: float) -> tuple[str, str | None]:
+  """Waits for the evaluator's next action: `(action, checkpoint path or None)`.
+
+  The action is "stop" (a stop request), "restore" (a new checkpoint),
+  "initial" (evaluate the initial weights) or "done" (`stop_waiting()`: no
+  new checkpoint will come).
+  """
+  while True:
+    if _stop_evaluating():
+      return "stop", None
+    path = checkpointer.restore_path("latest")
+    if path is not None and path != restored_path:
+      return "restore", path
+    if path is None and initial_weights_pending:
+      return "initial", None
+    if stop_waiting is not None and stop_waiting():
+      return "done", None
+    preemption.wait_for_stop(poll_interval_secs)  # A stop request ends the wait at once.
+
+
+def _agreed(decision: int, choose) -> tuple[str, str | None]:
+  """The chief's `choose()` for the `decision`-th wait, on every process.
+
+  The processes of a multi-process evaluation restore together (orbax's
+  restore of arrays sharded over them is collective) and evaluate together
+  (their `evaluate` may be), so they must take the same checkpoints in the
+  same order: the chief chooses and publishes its choice through the
+  distributed runtime's key-value store; the others wait for it there,
+  passing on any stop request they get meanwhile.
+  """
+  key = f"jaxline_ng/eval_decision/{decision}"
+  if multihost.is_chief():
+    choice = choose()
+    multihost.key_value_set(key, json.dumps(choice))
+    return choice
+
+  def pass_on_stop_request() -> bool:
+    _stop_evaluating()  # Tells the chief, whose next choice is then "stop".
+    return False
+
+  action, path = json.loads(multihost.key_value_wait(key, give_up=pass_on_stop_request))
+  return action, path
+
+
 # Written by the first process of a multi-process evaluation asked to stop.
 _EVAL_STOP_KEY = "jaxline_ng/eval_stop"
 
@@ -551,10 +604,9 @@ _EVAL_STOP_KEY = "jaxline_ng/eval_stop"
 def _stop_evaluating() -> bool:
   """Whether a stop was requested here or, with several processes, in any of them.
 
-  The processes of a multi-process evaluation share its collectives, so the
-  first asked to stop tells the others through the distributed runtime's
-  key-value store; each looks there (one store read) whenever it waits for
-  a checkpoint.
+  The first process of a multi-process evaluation asked to stop writes it
+  in the distributed runtime's key-value store, where the chief looks (one
+  store read) whenever it chooses what to evaluate next (`_agreed`).
   """
   if not multihost.is_multiprocess():
     return preemption.stop_requested()
@@ -571,7 +623,17 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
   The evaluator's experiment is constructed with mode
   "train_eval_multithreaded", as in jaxline. If training raises, evaluation
   stops and the training error is raised here (jaxline hung forever).
+
+  Raises:
+    base_config.ConfigError: with mesh placement over several processes,
+      where the two threads' collectives would interleave differently in
+      each process and hang.
   """
+  if config.placement == "mesh" and multihost.is_multiprocess():
+    raise base_config.ConfigError(
+        "--jaxline_mode=train_eval_multithreaded with config.placement='mesh' over "
+        f"{jax.process_count()} processes: the evaluator's collectives would interleave with "
+        "training's and hang; run --jaxline_mode=eval as a job of its own beside training")
   training_errors: list[BaseException] = []
 
   def run_training():

@@ -5,8 +5,10 @@ of them or both at different moments, the wall-clock budget (requested
 stops: every process stops after the same step, the chief saves it, all exit
 75 and the rerun continues exactly), a NaN only one process sees and an
 exception in one process (failures: every process exits 1 at once, nothing
-after the failure is saved). A separate multi-process eval job stops in
-every process when one is signalled. Each run has a timeout.
+after the failure is saved). A signal to the launcher reaches every
+process. The evaluators of `train_eval_multithreaded` take the same disk
+checkpoints; a separate multi-process eval job in mesh mode stops in every
+process when one is signalled. Each run has a timeout.
 """
 
 import os
@@ -148,12 +150,13 @@ def _stop_then_resume_exactly(run_dir, uninterrupted, launch: Launch) -> int:
 
 @pytest.mark.parametrize("signalled, signum", [
     ([1], signal.SIGTERM), ([0], signal.SIGTERM), ([0, 1], signal.SIGTERM),
-    ([1], signal.SIGINT)],
-    ids=["process_1_only", "process_0_only", "both_half_a_second_apart", "ctrl_c_to_process_1"])
+    ([1], signal.SIGINT), (["launcher"], signal.SIGTERM)],
+    ids=["process_1_only", "process_0_only", "both_half_a_second_apart", "ctrl_c_to_process_1",
+         "to_the_launcher"])
 def test_a_signal_to_some_processes_stops_all_after_one_agreed_step(
     tmp_path, uninterrupted, signalled, signum):
   launch = Launch(toy(tmp_path, PACED))
-  pids = [launch.pid(0), launch.pid(1)]
+  pids = {0: launch.pid(0), 1: launch.pid(1), "launcher": launch.process.pid}
   launch.wait_for(r"^\[p0\] .*step (3\d|[4-9]\d|\d\d\d)/")
   for i, index in enumerate(signalled):
     if i:
@@ -201,11 +204,7 @@ def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tm
 
 
 def test_train_eval_multithreaded_evaluates_the_agreed_step_and_stops_with_training(tmp_path):
-  # In-memory checkpoints: with disk ones each process's evaluator restores
-  # on its own, which orbax cannot do across processes (it fails before this
-  # change too).
-  command = toy(tmp_path, PACED, "--jaxline_mode=train_eval_multithreaded")
-  launch = Launch([arg for arg in command if arg != "--config.checkpointer=disk"])
+  launch = Launch(toy(tmp_path, PACED, "--jaxline_mode=train_eval_multithreaded"))
   pid = launch.pid(1)
   launch.wait_for(r"^\[p0\] .*eval step 20:")
   os.kill(pid, signal.SIGTERM)
@@ -213,15 +212,29 @@ def test_train_eval_multithreaded_evaluates_the_agreed_step_and_stops_with_train
   assert launch.exit_codes() == [75, 75], launch.output
   agreed = launch.agreed_steps()
   assert agreed[0] == agreed[1] < STEPS, launch.output
+  assert latest(tmp_path)[0] == agreed[0]
   launch.wait_for(rf"^\[p0\] .*eval step {agreed[0]}:")
+  # The evaluators restore the disk checkpoints together, so they take the
+  # same ones (the chief's choice) even as training saves new ones.
+  evaluated = [[int(match.group(1)) for line in launch.lines
+                if (match := re.search(rf"^\[p{index}\] .*eval step (\d+):", line))]
+               for index in range(2)]
+  assert evaluated[0] == evaluated[1], launch.output
 
 
-def test_sigterm_to_one_process_of_an_eval_job_stops_every_process(tmp_path):
-  trained = run(toy(tmp_path, "--config.training_steps=20"))
+MESH = ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:4",
+        "--config.experiment_kwargs.config.dim=4",
+        "--config.random_mode_train=same_host_same_device")
+
+
+def test_sigterm_to_one_process_of_a_mesh_eval_job_stops_every_process(tmp_path):
+  # Parameters sharded over both processes: each restores its shards of the
+  # checkpoint the chief chose, together.
+  trained = run(toy(tmp_path, "--config.training_steps=20", *MESH))
   assert trained.process.returncode == 0, trained.output
   # The eval job would wait for step 1000's checkpoint forever.
   launch = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
-                      "--config.eval_poll_interval_secs=0.2"))
+                      "--config.eval_poll_interval_secs=0.2", *MESH))
   pids = [launch.pid(0), launch.pid(1)]
   for index in range(2):
     launch.wait_for(rf"^\[p{index}\] .*eval step 20:")
@@ -229,6 +242,13 @@ def test_sigterm_to_one_process_of_an_eval_job_stops_every_process(tmp_path):
   # Stopped on request: 75 in every mode and every process.
   assert launch.finish() == 75, launch.output
   assert launch.exit_codes() == [75, 75], launch.output
+
+
+def test_train_eval_multithreaded_in_mesh_mode_over_processes_is_refused(tmp_path):
+  launch = run(toy(tmp_path, "--jaxline_mode=train_eval_multithreaded", *MESH))
+  assert launch.exit_codes() == [1, 1], launch.output
+  launch.wait_for(r"^\[p\d\] jaxline_ng: error: --jaxline_mode=train_eval_multithreaded with "
+                  r"config.placement='mesh' over 2 processes: .* run --jaxline_mode=eval")
 
 
 class _Ended:

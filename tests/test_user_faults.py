@@ -261,6 +261,11 @@ def test_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_p
     second = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
                      "--config.training_steps=1000000"), timeout=60)
     refused_in = time.monotonic() - started
+    # A multi-process run is refused as a whole: its chief holds the locks,
+    # and the others end with it rather than wait for it at a collective.
+    launched = run([sys.executable, "-m", "jaxline_ng.launch", "--",
+                    *toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk")],
+                   timeout=60)
     assert first.poll() is None  # The first run is untouched and goes on.
     # An eval job only reads what training writes: it runs beside it.
     evaluator = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
@@ -273,6 +278,9 @@ def test_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_p
   line = one_line_error(second, f"config.checkpoint_dir={str(tmp_path)!r} is in use")
   assert f"held by process {first.pid} on host " in line
   assert refused_in < 30
+  assert launched.returncode == 1, launched.stdout[-3000:]
+  assert "[launch] exit codes: process 0: 1, process 1: 1" in launched.stdout
+  assert "[p1] " in launched.stdout and "Process 0 failed (RunLockError: " in launched.stdout
   assert read_jsonl(tmp_path / "eval" / "metrics.jsonl")
 
 
