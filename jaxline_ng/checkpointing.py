@@ -27,7 +27,6 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import devices, rng
-from jaxline_ng import mesh as mesh_lib
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
@@ -90,26 +89,26 @@ def global_checkpoint_dict() -> dict[str, CheckpointNT]:
   return utils.GLOBAL_CHECKPOINT_DICT
 
 
-def _host_snapshot(module) -> dict[str, Any]:
-  """`module.snapshot_state()` as host values.
+def device_snapshot(state) -> dict[str, Any]:
+  """What a checkpoint of `state` holds, in fresh device buffers (dispatched, not waited for).
 
-  With the default `snapshot_state` in pmap mode, replicated state is read
-  from the first device straight into host memory: the same values, without
-  the device copy that `get_first` makes (a dispatch that runs on the
-  training thread, at every save).
+  The experiment's part is its `snapshot_state()`, which makes fresh
+  buffers; an override may return live ones, so those are copied. Training
+  may then donate or replace the live arrays without touching the snapshot,
+  and the training thread never waits for the devices to save. The loop's
+  own entries (the step, the chain key) are replaced each step, never
+  donated, so they are kept as they are.
   """
   # Deferred: experiment imports this module's users, not the other way round.
   from jaxline_ng import experiment as experiment_lib
-  if (type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state
-      or mesh_lib.active_mesh() is not None):
-    return jax.device_get(module.snapshot_state())
-  attrs, non_broadcast_attrs = experiment_lib.checkpoint_attrs(module)
-  replicated = devices.first_copy_to_host({name: getattr(module, attr)
-                                           for attr, name in attrs.items()})
-  snapshot = jax.tree.map(lambda leaf: leaf[0, ...], replicated)  # 0-d stays an array
-  snapshot.update(jax.device_get({name: getattr(module, attr)
-                                  for attr, name in non_broadcast_attrs.items()}))
-  return snapshot
+  nest = snapshotted_items(state)
+  module = getattr(state, "experiment_module", None)
+  if module is not None:
+    snapshot = module.snapshot_state()
+    if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
+      snapshot = devices.fresh_copies(snapshot)
+    nest["experiment_module"] = dict(snapshot)
+  return nest
 
 
 def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
@@ -139,11 +138,12 @@ def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
 
 
 class InMemoryCheckpointer:
-  """Keeps up to `max_checkpoints_to_keep` host-memory snapshots per series.
+  """Keeps up to `max_checkpoints_to_keep` snapshots per series, on device as jaxline did.
 
-  As jaxline: `save` copies the state to host memory and appends it to the
-  series before it returns, so `history[-1]` is that save, its `pickle_nest`
-  a `ConfigDict` of host values.
+  As jaxline: `save` appends a snapshot to the series before it returns, so
+  `history[-1]` is that save, its `pickle_nest` a `ConfigDict`. Its arrays
+  are fresh device copies (`device_snapshot`): saving never waits for the
+  devices, and reading a value waits only for the steps it depends on.
   """
 
   def __init__(self, config, mode: str):
@@ -168,11 +168,7 @@ class InMemoryCheckpointer:
     """Snapshots the live state of `ckpt_series`; `validate()` may veto it by raising."""
     if validate is not None:
       validate()
-    state = self.get_experiment_state(ckpt_series)
-    nest = jax.device_get(snapshotted_items(state))
-    module = getattr(state, "experiment_module", None)
-    if module is not None:
-      nest["experiment_module"] = _host_snapshot(module)
+    nest = device_snapshot(self.get_experiment_state(ckpt_series))
     snapshot = ml_collections.ConfigDict(nest)
     series = self._series(ckpt_series)
     with self._lock:

@@ -608,20 +608,6 @@ class DiskCheckpointer:
     states = self._live.__dict__.setdefault("states", {})
     return states.setdefault(ckpt_series, checkpointing.ExperimentState())
 
-  @staticmethod
-  def _snapshot(state: checkpointing.ExperimentState) -> dict[str, Any]:
-    """The state's values with fresh device copies of its arrays (dispatched, not waited for)."""
-    # Deferred: experiment imports this module's users, not the other way round.
-    from jaxline_ng import experiment as experiment_lib
-    nest = checkpointing.snapshotted_items(state)
-    module = getattr(state, "experiment_module", None)
-    if module is not None:
-      snapshot = module.snapshot_state()
-      if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
-        snapshot = devices.fresh_copies(snapshot)  # An override may return live buffers.
-      nest["experiment_module"] = dict(snapshot)
-    return nest
-
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Snapshots the live state on device now; writes it on a background thread.
 
@@ -633,7 +619,7 @@ class DiskCheckpointer:
     state = self.get_experiment_state(ckpt_series)
     manager = self._manager(ckpt_series)
     step = state.global_step
-    tree, entries, arrays = encode(self._snapshot(state))
+    tree, entries, arrays = encode(checkpointing.device_snapshot(state))
     fingerprints = dispatch_fingerprints([array for _, array in arrays])
     series_dir = self._series_dir(ckpt_series)
 
