@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml setup.py | $(VENV_PY)
 
 install: $(STAMP)
 
+# One pytest worker per core: most tests wait on processes they launched.
 test: $(STAMP)
-	$(VENV_PY) -m pytest tests
+	$(VENV_PY) -m pytest -n auto --dist worksteal tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -38,12 +38,13 @@ def test_benchmark_suite_smoke(tmp_path, capsys):
 
 def test_checkpoint_io_smoke(tmp_path):
   out = tmp_path / "checkpoint_io.json"
-  result = run_module("benchmarks.checkpoint_io", "--gib=0.01", "--saves=1", "--restarts=1",
+  # Without the char_lm restarts (four runs): test_compilation_cache checks warm restarts.
+  result = run_module("benchmarks.checkpoint_io", "--gib=0.01", "--saves=1", "--restarts=0",
                       f"--out={out}", timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]
   results = json.loads(out.read_text())
   for key in ("save_vs_file_write", "restore_vs_file_read", "stall_vs_copy",
-              "peak_host_memory_gib", "restart_cold_s", "restart_warm_s"):
+              "peak_host_memory_gib"):
     assert results[key] > 0, key
 
 

@@ -137,7 +137,7 @@ def _stop_then_resume_exactly(run_dir, uninterrupted, launch: Launch) -> int:
   step, _ = latest(run_dir)
   assert step == agreed[0], launch.output
 
-  resumed = run(toy(run_dir, PACED))
+  resumed = run(toy(run_dir))  # Unpaced: nothing interrupts it.
   assert resumed.process.returncode == 0, resumed.output
   assert resumed.exit_codes() == [0, 0]
   for index in range(2):
