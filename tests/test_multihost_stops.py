@@ -206,7 +206,8 @@ def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tm
 def test_train_eval_multithreaded_evaluates_the_agreed_step_and_stops_with_training(tmp_path):
   launch = Launch(toy(tmp_path, PACED, "--jaxline_mode=train_eval_multithreaded"))
   pid = launch.pid(1)
-  launch.wait_for(r"^\[p0\] .*eval step 20:")
+  # The first evaluation (which step depends on the machine's load).
+  launch.wait_for(r"^\[p0\] .*eval step \d+:")
   os.kill(pid, signal.SIGTERM)
   assert launch.finish() == 75, launch.output
   assert launch.exit_codes() == [75, 75], launch.output
