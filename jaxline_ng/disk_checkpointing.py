@@ -30,7 +30,6 @@ reported and the one before it used; the training job then moves the bad
 one aside (kept, under `<series>.unusable/`) so later saves go past its step.
 """
 
-import concurrent.futures
 import hashlib
 import json
 import logging as python_logging
@@ -46,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxline_ng import base_config, checkpointing, devices, multihost
+from jaxline_ng import background, base_config, checkpointing, devices, multihost
 from jaxline_ng import mesh as mesh_lib
 
 FORMAT = 2
@@ -572,9 +571,7 @@ class DiskCheckpointer:
     self._live = threading.local()
     self._managers: dict[str, ocp.CheckpointManager] = {}
     self._lock = threading.Lock()
-    self._executor = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix="disk_checkpointer")
-    self._pending: concurrent.futures.Future | None = None
+    self._saves = background.Worker("disk_checkpointer")
 
   def _series_dir(self, ckpt_series: str) -> str:
     return os.path.join(self._root, ckpt_series)
@@ -613,7 +610,8 @@ class DiskCheckpointer:
 
     There `validate` runs first (the non-finite guard; if it raises, nothing
     is saved), then orbax writes. The next save and
-    `wait_for_checkpointing_to_finish` wait for it and raise its failure.
+    `wait_for_checkpointing_to_finish` wait for it. A failed save fails the
+    checkpointer for good: every later save and wait raises its error.
     """
     self.wait_for_checkpointing_to_finish()
     state = self.get_experiment_state(ckpt_series)
@@ -653,7 +651,7 @@ class DiskCheckpointer:
       manager.wait_until_finished()
       logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step, series_dir)
 
-    self._pending = self._executor.submit(write)
+    self._saves.submit(write)
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
@@ -734,6 +732,4 @@ class DiskCheckpointer:
                       "inspection; saving continues past its step).", path, target)
 
   def wait_for_checkpointing_to_finish(self) -> None:
-    pending, self._pending = self._pending, None
-    if pending is not None:
-      pending.result()
+    self._saves.wait()

@@ -21,14 +21,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from absl import logging
+
+from jaxline_ng import background
 
 # The shortest time between two hand-overs of due steps to a background thread.
 _HANDOVER_SECS = 0.1
 
 
 def make_async(thread_name_prefix: str = ""):
-  """Decorator: calls run on one background thread, in call order.
+  """Decorator: calls run on one background thread, in call order (a `background.Worker`).
 
   Each call returns a `concurrent.futures.Future`. Once a call has raised,
   the function never runs again: the error is logged with its traceback
@@ -37,33 +38,13 @@ def make_async(thread_name_prefix: str = ""):
   """
 
   def decorator(fn):
-    executor = concurrent.futures.ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=thread_name_prefix or getattr(fn, "__name__", "async"))
-    errors: list[BaseException] = []
-
-    def run(*args, **kwargs):
-      if errors:
-        return None  # A call queued before the failure was seen: skip it.
-      try:
-        return fn(*args, **kwargs)
-      except Exception as e:
-        errors.append(e)
-        logging.exception("[jaxline_ng] Error in background thread %s.", thread_name_prefix)
-        raise
+    worker = background.Worker(thread_name_prefix or getattr(fn, "__name__", "async"))
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-      if errors:
-        raise errors[0]
-      return executor.submit(run, *args, **kwargs)
+      return worker.submit(fn, *args, **kwargs)
 
-    def wait() -> None:
-      """Blocks until every call made so far has run; raises the first error."""
-      executor.submit(lambda: None).result()
-      if errors:
-        raise errors[0]
-
-    call.wait = wait
+    call.wait = worker.wait
     return call
 
   return decorator

@@ -357,12 +357,13 @@ def train(experiment_class, config, checkpointer, writer,
     if save_checkpoints:
       with experiment_lib.log_activity("final checkpoint"):
         save_latest()
-  except BaseException:
+  except BaseException as error:
     # Saves made before the error still land (the guard vetoes any it covers).
     try:
       checkpointer.wait_for_checkpointing_to_finish()
-    except Exception:  # pylint: disable=broad-except  (the loop's error matters more)
-      logging.exception("[jaxline_ng] A pending save failed too:")
+    except Exception as pending:  # pylint: disable=broad-except  (the loop's error matters more)
+      if pending is not error:  # A failed save is raised again by every later wait.
+        logging.exception("[jaxline_ng] A pending save failed too:")
     raise
 
   # --- Wrap-up: wait for async work. ---

@@ -14,17 +14,16 @@ import functools
 import json
 import math
 import os
-import queue
 import socket
 import struct
-import threading
 import time
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
 import numpy as np
+
+from jaxline_ng import background
 
 # Enough to absorb a slow flush without stalling training, while the device
 # buffers referenced by queued writes stay negligible.
@@ -41,17 +40,6 @@ _MAX_BUFFERED_ROWS = 1000
 # AsyncWriter flushes its writer after this long without work, so what was
 # written shows in TensorBoard and metrics.jsonl while the run goes on.
 _IDLE_FLUSH_SECONDS = 0.5
-
-# How often a caller waiting on the worker checks that it is still running;
-# it only matters if `close` raced with that caller.
-_LIVENESS_POLL_SECONDS = 1.0
-
-# AsyncWriter operations other than the `write_*` methods.
-_FLUSH = "flush"
-_IDLE_FLUSH = "idle flush"  # The worker's own, not queued by a caller.
-_PREPARE = "prepare"  # Queued first, by the constructor.
-_RESUME = "resume"
-_CLOSE = "close"
 
 
 class Writer(Protocol):
@@ -499,12 +487,12 @@ _HOST_TYPES = (int, float, str, np.ndarray, np.generic)
 
 
 class AsyncWriter:
-  """Runs a synchronous writer on one background thread.
+  """Runs a synchronous writer on a `background.Worker`'s thread.
 
   The calling thread only enqueues (a shallow copy of the mapping: NumPy
-  arrays passed in must not be mutated afterwards). The single worker thread
+  arrays passed in must not be mutated afterwards). The worker's thread
   moves device values to host memory with `jax.device_get` and calls the
-  wrapped writer, so writes land in call order. Once `max_queue_size` writes are
+  wrapped writer, so writes land in call order. Once `max_queue_size` calls are
   pending, writing blocks until the worker catches up.
 
   If the wrapped writer raises, this writer is failed for good: later writes
@@ -513,129 +501,43 @@ class AsyncWriter:
 
   Queued writes reach disk at normal interpreter exit: `close` is registered
   with `atexit`, so it runs once all non-daemon threads are done writing.
-  Before that, as the main thread ends, everything queued so far is written
-  out, because the first write may import TensorFlow, and libraries it
-  loads (h5py) crash the interpreter if imported during `atexit`.
+  Before that, as the main thread ends, the worker writes out everything
+  queued so far, because the first write may import TensorFlow, and
+  libraries it loads (h5py) crash the interpreter if imported during `atexit`.
 
-  Threads hand over work only through `queue.SimpleQueue`, whose `put` is
-  re-entrant, so `close` may run in a signal handler that interrupted the
-  training thread mid-write. A write racing with `close` may be dropped.
+  `close` may run in a signal handler that interrupted the training thread
+  mid-write (see `background`). A write racing with `close` may be dropped.
   """
 
   def __init__(self, writer: Writer, *, max_queue_size: int = _DEFAULT_MAX_QUEUE_SIZE):
-    if max_queue_size < 1:
-      raise ValueError(f"max_queue_size must be >= 1, got {max_queue_size}.")
     self._writer = writer
-    # Items are (method name, (global_step, values)), (_FLUSH, reply queue),
-    # (_RESUME, global_step) or (_CLOSE, None).
-    self._ops: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-    # One token per write allowed to be pending: a write takes one, the
-    # worker gives it back once that write is done.
-    self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()
-    for _ in range(max_queue_size):
-      self._slots.put(None)
-    self._error: BaseException | None = None
     self._closed = False
-    # A daemon, as non-daemon threads are joined before `atexit` handlers
-    # run, i.e. before `close` could tell this one to stop.
-    self._thread = threading.Thread(target=self._work, name="jaxline_ng-writer", daemon=True)
-    # The first op readies the wrapped writer (TensorBoard imports TensorFlow,
-    # seconds of work) now, while the run starts up, not at its first write.
-    self._ops.put((_PREPARE, None))
-    self._thread.start()
+    self._worker = background.Worker(
+        "jaxline_ng-writer", max_pending=max_queue_size,
+        on_idle=(_IDLE_FLUSH_SECONDS, writer.flush),
+        raise_as=lambda e: WriterError(f"Background metric writing failed: {e!r}"))
+    # Readies the wrapped writer (TensorBoard imports TensorFlow, seconds of
+    # work) now, while the run starts up, not at its first write.
+    if hasattr(writer, "prepare"):
+      self._worker.submit(writer.prepare)
     atexit.register(self.close)
-    # A private CPython hook, because no public one runs after the main
-    # thread's code but before `atexit`, when importing TensorFlow still
-    # works (see above). It cannot be unregistered, so it refers to the
-    # writer weakly, letting a closed writer be garbage-collected.
-    threading._register_atexit(_drain_if_alive, weakref.ref(self))
 
-  def _work(self) -> None:
-    unflushed = False  # Whether writes since the last flush await one.
-    while True:
-      try:
-        # Idle with unflushed writes: flush after a pause, so they show up
-        # while the run goes on without a flush per write.
-        op, payload = self._ops.get(timeout=_IDLE_FLUSH_SECONDS if unflushed else None)
-      except queue.Empty:
-        op, payload = _IDLE_FLUSH, None
-      try:
-        if op == _CLOSE:
-          self._writer.close()  # Even after a failure, to release files.
-        elif self._error is not None:
-          pass  # Failed for good: drop, but keep draining the queue.
-        elif op in (_FLUSH, _IDLE_FLUSH):
-          self._writer.flush()
-        elif op == _PREPARE:
-          if hasattr(self._writer, "prepare"):
-            self._writer.prepare()
-        elif op == _RESUME:
-          if hasattr(self._writer, "resume"):
-            self._writer.resume(payload)
-        else:
-          global_step, values = payload
-          if not all(isinstance(value, _HOST_TYPES) for value in values.values()):
-            global_step, values = jax.device_get(payload)
-          getattr(self._writer, op)(int(global_step), values)
-      except BaseException as e:
-        if self._error is None:
-          self._error = e
-      unflushed = op not in (_CLOSE, _FLUSH, _IDLE_FLUSH, _PREPARE, _RESUME)
-      if op in (_IDLE_FLUSH, _PREPARE, _RESUME):
-        continue
-      if op == _CLOSE:
-        return
-      if op == _FLUSH:
-        payload.put(None)
-      else:
-        self._slots.put(None)
-
-  def _wait_for_worker(self, replies: queue.SimpleQueue[None]) -> None:
-    """Takes an item from `replies`, or returns once the worker has exited.
-
-    The worker exits only after `close` wrote everything queued before it;
-    an op queued after that (a race with `close`) is never answered.
-    """
-    while self._thread.is_alive():
-      try:
-        replies.get(timeout=_LIVENESS_POLL_SECONDS)
-        return
-      except queue.Empty:
-        pass
-
-  def _raise_if_failed(self) -> None:
-    if self._error is not None:
-      raise WriterError(f"Background metric writing failed: {self._error!r}") from self._error
-
-  def _check_writable(self) -> None:
+  def _submit(self, fn: Callable[..., None], *args: Any) -> None:
     if self._closed:
       raise ValueError("Cannot write to a closed AsyncWriter.")
-    self._raise_if_failed()
-
-  def _submit(self, method: str, global_step: int, values: Mapping[str, Any]) -> None:
-    self._check_writable()
-    self._wait_for_worker(self._slots)  # Back-pressure: blocks while full.
-    self._check_writable()  # `close` may have run while this call waited.
-    self._ops.put((method, (global_step, dict(values))))
+    self._worker.submit(fn, *args)
 
   def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
-    self._submit("write_scalars", global_step, scalars)
+    self._submit(_write, self._writer.write_scalars, global_step, dict(scalars))
 
   def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
-    self._submit("write_images", global_step, images)
+    self._submit(_write, self._writer.write_images, global_step, dict(images))
 
   def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
-    self._submit("write_histograms", global_step, values)
+    self._submit(_write, self._writer.write_histograms, global_step, dict(values))
 
   def write_texts(self, global_step: int, texts: Mapping[str, str]) -> None:
-    self._submit("write_texts", global_step, texts)
-
-  def _drain(self) -> None:
-    """Blocks until the worker has handled (and flushed) all queued ops."""
-    if not self._closed:
-      replies: queue.SimpleQueue[None] = queue.SimpleQueue()
-      self._ops.put((_FLUSH, replies))
-      self._wait_for_worker(replies)
+    self._submit(_write, self._writer.write_texts, global_step, dict(texts))
 
   def resume(self, global_step: int) -> None:
     """Has the wrapped writer drop what an interrupted run wrote past
@@ -644,8 +546,8 @@ class AsyncWriter:
     Queued, not waited for: it runs before every later write, and the
     run's start does not wait for TensorFlow's import, which precedes it.
     """
-    self._check_writable()
-    self._ops.put((_RESUME, global_step))
+    if hasattr(self._writer, "resume"):
+      self._submit(self._writer.resume, global_step)
 
   def flush(self) -> None:
     """Blocks until every earlier write is on disk.
@@ -653,24 +555,32 @@ class AsyncWriter:
     Once closed, everything is on disk already, so this only re-raises a
     failure.
     """
-    self._drain()
-    self._raise_if_failed()
+    if not self._closed:
+      self._worker.submit(self._writer.flush)
+    self._worker.wait()
 
   def close(self) -> None:
-    """Writes out everything queued, closes the wrapped writer, stops."""
-    if not self._closed:
-      self._closed = True
-      atexit.unregister(self.close)
-      self._ops.put((_CLOSE, None))
-      self._thread.join()
-    self._raise_if_failed()
+    """Writes out everything queued, stops the worker, then closes the wrapped writer.
+
+    The wrapped writer is closed on this thread (the worker's has ended),
+    even after a failure, to release its files.
+    """
+    if self._closed:
+      self._worker.close()  # Only re-raises a failure.
+      return
+    self._closed = True
+    atexit.unregister(self.close)
+    try:
+      self._worker.close()
+    finally:
+      self._writer.close()
 
 
-def _drain_if_alive(writer_ref: "weakref.ref[AsyncWriter]") -> None:
-  """Threading exit hook: drains the writer; failures are left to `close`."""
-  writer = writer_ref()
-  if writer is not None:
-    writer._drain()
+def _write(write: Callable[[int, Any], None], global_step: Any, values: dict[str, Any]) -> None:
+  """On the worker's thread: copies device values to the host, then calls `write`."""
+  if not all(isinstance(value, _HOST_TYPES) for value in values.values()):
+    global_step, values = jax.device_get((global_step, values))
+  write(int(global_step), values)
 
 
 def make_writer(logdir: str, *, use_async: bool = True) -> Writer:
