@@ -56,7 +56,7 @@ class Worker:
     # handlers run, i.e. before an owner's `atexit` handler could close it.
     self._thread = threading.Thread(target=_work, name=name, daemon=True,
                                     args=(name, self._calls, self._slots, self._errors, on_idle))
-    self._thread.start()
+    self._start_lock = threading.Lock()
     weakref.finalize(self, self._calls.put, _STOP).atexit = False  # An owner may close at exit.
     # When the main thread ends, the calls submitted so far run, as a
     # `ThreadPoolExecutor`'s do, while importing still works: some modules
@@ -81,7 +81,21 @@ class Worker:
     self._raise_if_failed()
     future: concurrent.futures.Future = concurrent.futures.Future()
     self._calls.put((future, fn, args, kwargs))
+    self._start_thread()
     return future
+
+  def _start_thread(self) -> None:
+    """Starts the thread at the first call, as `ThreadPoolExecutor` does.
+
+    Starting it then, with the call queued, lets it run the call before the
+    caller goes on (CPython hands the new thread the GIL), so an error of a
+    quick first call is raised by the very next one, as jaxline's tests of
+    `make_async` expect. No thread exists before there is work.
+    """
+    if self._thread.ident is None:
+      with self._start_lock:
+        if self._thread.ident is None:
+          self._thread.start()
 
   def wait(self) -> None:
     """Blocks until every call submitted so far has finished or been skipped.
@@ -99,17 +113,20 @@ class Worker:
       The first error of any call (see `raise_as`).
     """
     self._calls.put(_STOP)
-    self._thread.join()
+    if self._thread.ident is not None:  # Else nothing was ever submitted.
+      self._thread.join()
     self._raise_if_failed()
 
   def _drain(self) -> None:
+    if self._thread.ident is None:
+      return  # Nothing was ever submitted.
     replies: queue.SimpleQueue[None] = queue.SimpleQueue()
     self._calls.put(replies)
     self._take(replies)
 
   def _take(self, replies: queue.SimpleQueue[None]) -> None:
     """Takes an item from `replies`, or returns once the thread has ended."""
-    while self._thread.is_alive():
+    while self._thread.ident is None or self._thread.is_alive():
       try:
         replies.get(timeout=_LIVENESS_POLL_SECONDS)
         return

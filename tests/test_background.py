@@ -111,3 +111,15 @@ def test_submitted_calls_run_when_the_main_thread_ends():
                           capture_output=True, text=True, timeout=60)
   assert result.returncode == 0, result.stderr
   assert result.stdout == "ran\n"
+
+
+def test_the_thread_starts_with_the_first_call_and_runs_it_at_once():
+  before = {thread.name for thread in threading.enumerate()}
+  worker = background.Worker("lazy")
+  assert "lazy" not in {thread.name for thread in threading.enumerate()} - before
+  ran = []
+  worker.submit(ran.append, 1)
+  # As a ThreadPoolExecutor's new thread does, it runs the call before the
+  # caller goes on: jaxline's make_async tests rely on it.
+  assert ran == [1]
+  worker.close()
