@@ -20,8 +20,11 @@ the same, and on another topology each device still gets its own
 deterministic key.
 """
 
+import contextlib
 import enum
 import functools
+import threading
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +143,38 @@ def _split_steps(chain, mode: str, process: int, num_steps: int):
   _, (step_keys, chains) = jax.lax.scan(one_step, chain, length=num_steps)
   # One array per step, so handing a step its keys needs no further dispatch.
   return [step_keys[i] for i in range(num_steps)], [chains[i] for i in range(num_steps)]
+
+
+@contextlib.contextmanager
+def keys_compiled_meanwhile(train_key, mode: str) -> Iterator[None]:
+  """Within the block, a thread compiles the step keys' program for the
+  default chain (`replicate_key(train_key)`), so the first step need not.
+
+  The block is the experiment's construction, which the compilation (a
+  few tenths of a second on CPU) then overlaps. The thread is joined when
+  the block ends, however it ends: a thread left running past a failing
+  constructor aborted the interpreter at exit. A failure to compile is
+  left to the loop's own call, which raises it. Single-process runs only:
+  with several, placing a key on global devices is left to the loop, which
+  every process runs alike.
+  """
+  if jax.process_count() > 1:
+    yield
+    return
+
+  def compile_keys():
+    try:
+      _split_steps.lower(replicate_key(train_key), mode=mode, process=jax.process_index(),
+                         num_steps=STEPS_PER_DISPATCH).compile()
+    except Exception:  # pylint: disable=broad-except  (the loop's call raises it)
+      pass
+
+  compiler = threading.Thread(target=compile_keys, name="jaxline_ng_compile_keys", daemon=True)
+  compiler.start()
+  try:
+    yield
+  finally:
+    compiler.join()
 
 
 class StepKeys:

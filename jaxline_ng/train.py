@@ -293,7 +293,8 @@ def train(experiment_class, config, checkpointer, writer,
   # --- State: construct the experiment, then restore over it. ---
   xla_cpu.reserve_threads()
   train_key, init_key = rng.seed_keys(config.random_seed, config.legacy_random_seed_behavior)
-  with experiment_lib.log_activity("experiment init"):
+  with (rng.keys_compiled_meanwhile(train_key, config.random_mode_train),
+        experiment_lib.log_activity("experiment init")):
     experiment = experiment_lib.construct(experiment_class, "train", init_key,
                                           config.experiment_kwargs)
   logging.info("[jaxline_ng] Checkpointed state: %s", experiment_lib.describe_state(experiment))
