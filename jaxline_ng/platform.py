@@ -144,7 +144,8 @@ def create_writer(config, mode: str):
 
   Only the chief process writes unless `config.log_all_hosts`; other
   processes then write to `<checkpoint_dir>/<mode>/process_<i>`. Writes go
-  through a background thread when `config.log_async`.
+  through a background thread when `config.log_async`; TensorBoard only
+  when `config.tensorboard`.
   """
   if not (multihost.is_chief() or config.log_all_hosts):
     return None
@@ -152,7 +153,8 @@ def create_writer(config, mode: str):
   logdir = os.path.join(config.checkpoint_dir, mode)
   if not multihost.is_chief():
     logdir = os.path.join(logdir, f"process_{jax.process_index()}")
-  writer = writers.make_writer(logdir, use_async=config.log_async)
+  writer = writers.make_writer(logdir, use_async=config.log_async,
+                               tensorboard=config.tensorboard)
   if multihost.is_multiprocess():
     multihost.at_peer_failure(writer.flush)
   return writer

@@ -583,15 +583,24 @@ def _write(write: Callable[[int, Any], None], global_step: Any, values: dict[str
   write(int(global_step), values)
 
 
-def make_writer(logdir: str, *, use_async: bool = True) -> Writer:
+def make_writer(logdir: str, *, use_async: bool = True, tensorboard: bool = True) -> Writer:
   """The writer a run logs through: TensorBoard plus `metrics.jsonl`.
 
   Both go to `logdir`. With `use_async`, they run behind an `AsyncWriter`.
   Construction does no I/O and does not import TensorFlow; a bad `logdir`
   is reported by the first write (or, asynchronously, the call after it).
+
+  Args:
+    logdir: the directory both write to.
+    use_async: write on a background thread.
+    tensorboard: write TensorBoard event files; False writes `metrics.jsonl`
+      alone and never imports TensorFlow.
+
+  Returns:
+    The writer.
   """
   writer = MultiWriter([
-      TensorBoardWriter(logdir),
+      *([TensorBoardWriter(logdir)] if tensorboard else []),
       JsonlWriter(os.path.join(logdir, "metrics.jsonl")),
   ])
   return AsyncWriter(writer) if use_async else writer

@@ -333,7 +333,7 @@ def tensorboard_steps(logdir, tag):
 def test_resumed_run_has_no_duplicated_or_orphaned_metric_rows(tmp_path):
   args = toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
              "--config.training_steps=30", "--config.save_checkpoint_interval=10",
-             "--config.log_train_data_interval=1")
+             "--config.log_train_data_interval=1", "--config.tensorboard=True")
   first = run(args)
   assert first.returncode == 0, first.stderr[-3000:]
   # As if killed after writing the rows of steps 21..30 but before checkpoint 30 was

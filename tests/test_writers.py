@@ -311,6 +311,14 @@ def test_async_writer_keeps_order_of_many_writes_on_disk(tmp_path):
   writer.close()
 
 
+def test_without_tensorboard_only_metrics_jsonl_is_written(tmp_path):
+  writer = writers.make_writer(str(tmp_path), tensorboard=False)
+  writer.write_scalars(1, {"loss": 0.5})
+  writer.close()
+  assert os.listdir(tmp_path) == ["metrics.jsonl"]
+  assert _read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 0.5}]
+
+
 def test_async_writer_blocks_caller_when_queue_is_full():
   gate = threading.Event()
   inner = _RecordingWriter(gate=gate)

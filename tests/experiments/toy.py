@@ -34,6 +34,9 @@ def get_config(arg: str = ""):
   config.save_checkpoint_interval = 10
   config.checkpoint_dir = "/tmp/jaxline_ng_toy"
   config.best_model_eval_metric = "neg_distance"
+  # Importing TensorFlow is most of a short run's CPU; the tests of
+  # TensorBoard output turn it on.
+  config.tensorboard = False
   learning_rate = config_dict.FieldReference(0.1)
   config.experiment_kwargs = config_dict.ConfigDict(dict(config=dict(
       learning_rate=learning_rate,
