@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -251,6 +252,30 @@ def key_value_try_get(key: str) -> str | None:
     raise
 
 
+# Written by each process about to exit because a process failed.
+_EXITING_KEY = "jaxline_ng/exiting/{}"
+
+
+def wait_for_the_others_to_exit(failed: int) -> None:
+  """On process 0, before it exits after a failure: waits until every other
+  live process says it is exiting (at most `_PEER_FAILURE_FLUSH_SECS` and a
+  margin).
+
+  Process 0 hosts JAX's coordination service. Gone first, it would make the
+  others' runtime clients abort the process (SIGABRT) before they exit with
+  the run's code. Elsewhere this returns at once.
+  """
+  if jax.process_index() != 0:
+    return
+  deadline = time.monotonic() + _PEER_FAILURE_FLUSH_SECS + 5.0
+  for process in range(1, jax.process_count()):
+    if process != failed:
+      try:
+        key_value_wait(_EXITING_KEY.format(process), give_up=lambda: time.monotonic() > deadline)
+      except Exception:  # pylint: disable=broad-except  (the runtime is gone: nothing to wait for)
+        return
+
+
 def published_failure() -> str | None:
   """The failure a process published (`process code message`), or None; one store read."""
   return key_value_try_get(_FAILURE_KEY)
@@ -301,6 +326,11 @@ def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
   flushing = threading.Thread(target=flush, daemon=True)
   flushing.start()
   flushing.join(timeout=_PEER_FAILURE_FLUSH_SECS)
+  try:
+    key_value_set(_EXITING_KEY.format(jax.process_index()), "")
+  except Exception:  # pylint: disable=broad-except  (the runtime is gone already)
+    pass
+  wait_for_the_others_to_exit(failed=process)
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()

@@ -362,6 +362,7 @@ def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:
     logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
                       jax.process_index())
   multihost.publish_failure(message.splitlines()[0] if message else "", 1)
+  multihost.wait_for_the_others_to_exit(failed=jax.process_index())
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()
