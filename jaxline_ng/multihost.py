@@ -326,12 +326,13 @@ def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
   flushing = threading.Thread(target=flush, daemon=True)
   flushing.start()
   flushing.join(timeout=_PEER_FAILURE_FLUSH_SECS)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # The last thing before exiting: process 0 may end (and its service) from here on.
   try:
     key_value_set(_EXITING_KEY.format(jax.process_index()), "")
   except Exception:  # pylint: disable=broad-except  (the runtime is gone already)
     pass
   wait_for_the_others_to_exit(failed=process)
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
   os._exit(exit_code)  # pylint: disable=protected-access  (the main thread may never return)
