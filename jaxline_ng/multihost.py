@@ -254,6 +254,9 @@ def key_value_try_get(key: str) -> str | None:
 
 # Written by each process about to exit because a process failed.
 _EXITING_KEY = "jaxline_ng/exiting/{}"
+# How long process 0 still waits once the others said they exit: they do so
+# right after saying it, but the runtime's reply to them must arrive first.
+_EXIT_AFTER_OTHERS_SECS = 1.0
 
 
 def wait_for_the_others_to_exit(failed: int) -> None:
@@ -265,15 +268,16 @@ def wait_for_the_others_to_exit(failed: int) -> None:
   others' runtime clients abort the process (SIGABRT) before they exit with
   the run's code. Elsewhere this returns at once.
   """
-  if jax.process_index() != 0:
+  others = [p for p in range(1, jax.process_count()) if p != failed]
+  if jax.process_index() != 0 or not others:
     return
   deadline = time.monotonic() + _PEER_FAILURE_FLUSH_SECS + 5.0
-  for process in range(1, jax.process_count()):
-    if process != failed:
-      try:
-        key_value_wait(_EXITING_KEY.format(process), give_up=lambda: time.monotonic() > deadline)
-      except Exception:  # pylint: disable=broad-except  (the runtime is gone: nothing to wait for)
-        return
+  for process in others:
+    try:
+      key_value_wait(_EXITING_KEY.format(process), give_up=lambda: time.monotonic() > deadline)
+    except Exception:  # pylint: disable=broad-except  (the runtime is gone: nothing to wait for)
+      return
+  time.sleep(_EXIT_AFTER_OTHERS_SECS)
 
 
 def published_failure() -> str | None:
