@@ -277,19 +277,25 @@ def _steps(series_dir: str) -> list[int]:
   return sorted(int(name) for name in os.listdir(series_dir) if name.isdigit())
 
 
-def _reader(together: bool) -> ocp.Checkpointer:
-  """An orbax reader for this process alone, or for every process `together`.
+def _processes(together: bool) -> ocp.options.MultiprocessingOptions:
+  """The processes an orbax save or restore involves: this one alone, or every one `together`.
 
   Orbax's default (every process, no names) synchronises with a device
-  collective, which in `train_eval_multithreaded` interleaves with the
-  training thread's and times out. Alone, there is no barrier; naming the
-  processes makes orbax wait at the distributed runtime's barrier instead.
+  collective, which a training thread's collectives can block or interleave
+  with (in `train_eval_multithreaded` a restore timed out). Alone, there is
+  no barrier; naming the processes makes orbax wait at the distributed
+  runtime's barrier instead.
   """
   me = jax.process_index()
-  processes = set(range(jax.process_count())) if together else {me}
+  return ocp.options.MultiprocessingOptions(
+      primary_host=0 if together else me,
+      active_processes=set(range(jax.process_count())) if together else {me})
+
+
+def _reader(together: bool) -> ocp.Checkpointer:
+  """An orbax reader for this process alone, or for every process `together`."""
   return ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
-                          multiprocessing_options=ocp.options.MultiprocessingOptions(
-                              primary_host=0 if together else me, active_processes=processes))
+                          multiprocessing_options=_processes(together))
 
 
 def _read_meta(path: str, together: bool = False) -> dict[str, Any]:
@@ -579,15 +585,9 @@ class DiskCheckpointer:
   def _manager(self, ckpt_series: str) -> ocp.CheckpointManager:
     with self._lock:
       if ckpt_series not in self._managers:
-        if self.every_process_saves:
-          # Orbax then synchronises the processes through JAX's distributed
-          # client, not a device collective the training thread could block.
-          processes = ocp.options.MultiprocessingOptions(
-              primary_host=0, active_processes=set(range(jax.process_count())))
-        else:
-          # Each saving process acts alone (only the chief saves by default).
-          processes = ocp.options.MultiprocessingOptions(
-              primary_host=jax.process_index(), active_processes={jax.process_index()})
+        # Each saving process acts alone (only the chief saves by default),
+        # unless every process writes its shards.
+        processes = _processes(together=self.every_process_saves)
         # Orbax leaves creating the directory to us (it would wait for every
         # process at a barrier first).
         os.makedirs(self._series_dir(ckpt_series), exist_ok=True)
