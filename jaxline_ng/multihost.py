@@ -259,25 +259,34 @@ _EXITING_KEY = "jaxline_ng/exiting/{}"
 _EXIT_AFTER_OTHERS_SECS = 1.0
 
 
-def wait_for_the_others_to_exit(failed: int) -> None:
-  """On process 0, before it exits after a failure: waits until every other
-  live process says it is exiting (at most `_PEER_FAILURE_FLUSH_SECS` and a
-  margin).
+def exit_after_failure(exit_code: int, failed: int) -> None:
+  """Ends this process at once after process `failed` failed (this one or a peer).
 
-  Process 0 hosts JAX's coordination service. Gone first, it would make the
-  others' runtime clients abort the process (SIGABRT) before they exit with
-  the run's code. Elsewhere this returns at once.
+  Skips the graceful shutdown: JAX's distributed shutdown at interpreter
+  exit waits for every process, which would hang. Process 0 hosts JAX's
+  coordination service; gone first, it would make the others' runtime
+  clients abort their process (SIGABRT) before they exit with `exit_code`.
+  So each process says it is exiting, as the last thing it does, and
+  process 0 waits for every other live one to say so (at most
+  `_PEER_FAILURE_FLUSH_SECS` and a margin) before it exits.
   """
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  try:
+    key_value_set(_EXITING_KEY.format(jax.process_index()), "")
+  except Exception:  # pylint: disable=broad-except  (the runtime is gone already)
+    pass
   others = [p for p in range(1, jax.process_count()) if p != failed]
-  if jax.process_index() != 0 or not others:
-    return
-  deadline = time.monotonic() + _PEER_FAILURE_FLUSH_SECS + 5.0
-  for process in others:
+  if jax.process_index() == 0 and others:
+    deadline = time.monotonic() + _PEER_FAILURE_FLUSH_SECS + 5.0
     try:
-      key_value_wait(_EXITING_KEY.format(process), give_up=lambda: time.monotonic() > deadline)
+      for process in others:
+        key_value_wait(_EXITING_KEY.format(process), give_up=lambda: time.monotonic() > deadline)
+      time.sleep(_EXIT_AFTER_OTHERS_SECS)
     except Exception:  # pylint: disable=broad-except  (the runtime is gone: nothing to wait for)
-      return
-  time.sleep(_EXIT_AFTER_OTHERS_SECS)
+      pass
+  os._exit(exit_code)  # pylint: disable=protected-access  (the main thread may never return)
 
 
 def published_failure() -> str | None:
@@ -330,13 +339,4 @@ def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
   flushing = threading.Thread(target=flush, daemon=True)
   flushing.start()
   flushing.join(timeout=_PEER_FAILURE_FLUSH_SECS)
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  # The last thing before exiting: process 0 may end (and its service) from here on.
-  try:
-    key_value_set(_EXITING_KEY.format(jax.process_index()), "")
-  except Exception:  # pylint: disable=broad-except  (the runtime is gone already)
-    pass
-  wait_for_the_others_to_exit(failed=process)
-  os._exit(exit_code)  # pylint: disable=protected-access  (the main thread may never return)
+  exit_after_failure(exit_code, failed=process)

@@ -354,16 +354,11 @@ def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:
   """Ends a failed process of a multi-process run, and with it the others.
 
   The failure is published first (`multihost.publish_failure`), so every
-  other process exits with the same code at once. This one skips the
-  graceful shutdown: JAX's distributed shutdown at interpreter exit waits for
-  every process, which would hang. The writers were closed on the way out.
+  other process exits with the same code at once; then this one exits
+  (`multihost.exit_after_failure`). The writers were closed on the way out.
   """
   if with_traceback:
     logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
                       jax.process_index())
   multihost.publish_failure(message.splitlines()[0] if message else "", 1)
-  multihost.wait_for_the_others_to_exit(failed=jax.process_index())
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(1)  # pylint: disable=protected-access
+  multihost.exit_after_failure(1, failed=jax.process_index())
