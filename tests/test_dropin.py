@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from ml_collections import config_dict
 
-from jaxline_ng import base_config, experiment, train, utils
+from jaxline_ng import base_config, experiment, preemption, train, utils
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -275,23 +275,17 @@ def test_periodic_saves_happen_at_jaxlines_steps(overrides, saved_steps):
   assert [saved["global_step"] for saved in checkpointer.saved] == saved_steps
 
 
-def test_a_requested_stop_is_not_logged_as_a_failure():
-  from jaxline_ng import preemption  # pylint: disable=import-outside-toplevel
+@pytest.mark.parametrize("error, logged_by", [
+    # A requested stop is not a failure: a warning.
+    (preemption.Preempted("stopped by SIGTERM after step 7"), "warning"),
+    # Bad input: one error line, the message says it all.
+    (base_config.ConfigError("config.training_steps='many' is not a number"), "error"),
+], ids=["requested_stop", "bad_input"])
+def test_log_activity_logs_stops_and_bad_input_without_a_traceback(error, logged_by):
   with mock.patch("absl.logging.exception") as exception, \
-      mock.patch("absl.logging.warning") as warning:
-    with pytest.raises(preemption.Preempted):
+      mock.patch(f"absl.logging.{logged_by}") as logged:
+    with pytest.raises(type(error)):
       with utils.log_activity("training loop"):
-        raise preemption.Preempted("stopped by SIGTERM after step 7")
+        raise error
   exception.assert_not_called()
-  assert "stopped by SIGTERM after step 7" in str(warning.call_args)
-
-
-def test_bad_input_is_logged_in_one_line_without_a_traceback():
-  from jaxline_ng import base_config as config_lib  # pylint: disable=import-outside-toplevel
-  with mock.patch("absl.logging.exception") as exception, \
-      mock.patch("absl.logging.error") as error:
-    with pytest.raises(config_lib.ConfigError):
-      with utils.log_activity("experiment init"):
-        raise config_lib.ConfigError("config.training_steps='many' is not a number")
-  exception.assert_not_called()
-  assert "config.training_steps='many'" in str(error.call_args)
+  assert str(error) in str(logged.call_args)
