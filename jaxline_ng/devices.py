@@ -84,18 +84,70 @@ def _holds_one_copy(leaf: jax.Array) -> bool:
       leaf.sharding.shard_shape(leaf.shape)[0] == 1
 
 
-def first_copy_to_host(tree: Any) -> Any:
-  """`tree` on the host, each replicated or per-device array read from the
-  first local device only (one transfer per array, no device computation,
-  so it is safe on any thread). A per-device array keeps its leading axis,
-  of size 1; other leaves are copied whole.
-  """
-  def first_copy(leaf):
-    if isinstance(leaf, jax.Array) and _holds_one_copy(leaf):
-      return _first_shard(leaf)
-    return leaf
+# Reading many arrays of one placement (the scalars of every step logged since
+# the last hand-over) stacks them on their devices first: one dispatch and one
+# transfer instead of one transfer each, and JAX builds a Python object per
+# device for each array it reads a shard of. Stacks are padded to a power of
+# two up to this size, so a placement compiles a few stacking programs, not
+# one per count; fewer arrays than `_MIN_STACK` are read one by one.
+_MAX_STACK = 128
+_MIN_STACK = 4
 
-  return jax.device_get(jax.tree.map(first_copy, tree))
+
+@functools.cache
+def _stacker(sharding: jax.sharding.Sharding):
+  """A jitted stack of arrays placed like `sharding` that keeps each device's
+  data on its device (no communication), or None for other placements."""
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    out_sharding = sharding
+  elif isinstance(sharding, NamedSharding):
+    out_sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+  else:
+    return None
+  return jax.jit(jnp.stack, out_shardings=out_sharding)
+
+
+def first_copies_to_host(trees: list[Any]) -> list[Any]:
+  """`trees` on the host, each replicated or per-device array read from the
+  first local device only. A per-device array keeps its leading axis, of
+  size 1; other arrays are copied whole, other leaves kept as they are.
+
+  Only arrays of this process's devices alone are stacked, and stacking
+  moves no data between devices: no collective is run, so this is safe on
+  any thread.
+  """
+  flat = [jax.tree.flatten(tree) for tree in trees]
+  leaves = [list(tree_leaves) for tree_leaves, _ in flat]
+  groups: dict[Any, list[tuple[int, int]]] = {}
+  for i, tree_leaves in enumerate(leaves):
+    for j, leaf in enumerate(tree_leaves):
+      if not isinstance(leaf, jax.Array):
+        continue
+      if not _holds_one_copy(leaf):
+        tree_leaves[j] = np.asarray(leaf)
+      elif not leaf.is_fully_addressable:  # Stacking it would run a program on every process.
+        tree_leaves[j] = np.asarray(_first_shard(leaf))
+      else:
+        groups.setdefault((leaf.sharding, leaf.shape, leaf.dtype), []).append((i, j))
+  for (sharding, _, _), positions in groups.items():
+    stack = _stacker(sharding)
+    for begin in range(0, len(positions), _MAX_STACK):
+      chunk = positions[begin:begin + _MAX_STACK]
+      arrays = [leaves[i][j] for i, j in chunk]
+      if stack is None or len(arrays) < _MIN_STACK:
+        rows = [np.asarray(_first_shard(array)) for array in arrays]
+      else:
+        padded = 1 << (len(arrays) - 1).bit_length()
+        rows = np.asarray(_first_shard(stack(arrays + arrays[-1:] * (padded - len(arrays)))))
+      for (i, j), row in zip(chunk, rows):
+        leaves[i][j] = row
+  return [jax.tree.unflatten(treedef, tree_leaves)
+          for (_, treedef), tree_leaves in zip(flat, leaves)]
+
+
+def first_copy_to_host(tree: Any) -> Any:
+  """`first_copies_to_host` of one tree."""
+  return first_copies_to_host([tree])[0]
 
 
 def get_first(tree: Any) -> Any:

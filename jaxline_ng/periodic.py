@@ -158,9 +158,13 @@ class PeriodicAction:
     self._handed_over_at = -math.inf if t is None else t
     self._in_progress = self._act_in_background(due)
 
+  def _to_host(self, scalars: list[Any]) -> list[Any]:
+    """The due steps' scalars, in order, copied to the host whole."""
+    return jax.device_get(scalars)
+
   def _act_on(self, due: list[tuple[int, float | None, Any]]) -> None:
     """Copies the due steps' scalars to the host and calls `fn` for each."""
-    host_values = jax.device_get([values for _, _, values in due])
+    host_values = self._to_host([values for _, _, values in due])
     for (step, steps_per_sec, _), values in zip(due, host_values):
       if steps_per_sec is not None and isinstance(values, dict):
         values["steps_per_sec"] = steps_per_sec

@@ -103,18 +103,22 @@ def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   experiment did not reduce with `get_first`); the first device's copy is
   taken then. Anything else is a ScalarsError naming the scalar.
   """
-  problems = scalar_problems(scalars, "the experiment")
-  if problems:
-    raise ScalarsError(problems[0])
-  values = dict(scalars)
-  if any(isinstance(value, jax.Array) for value in values.values()):
-    values = devices.first_copy_to_host(values)
-  result = {}
-  for name, value in values.items():
-    array = np.asarray(value)
-    if array.ndim == 1:
-      array = array[0]
-    result[name] = array.item()
+  return host_scalars_of_steps([scalars])[0]
+
+
+def host_scalars_of_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  """`host_scalars` of several steps' outputs, read from the devices together."""
+  for scalars in steps:
+    problems = scalar_problems(scalars, "the experiment")
+    if problems:
+      raise ScalarsError(problems[0])
+  result = []
+  for values in devices.first_copies_to_host([dict(scalars) for scalars in steps]):
+    for name, value in values.items():
+      if not isinstance(value, (int, float)):
+        array = np.asarray(value)
+        values[name] = (array[0] if array.ndim == 1 else array).item()
+    result.append(values)
   return result
 
 
@@ -168,6 +172,14 @@ def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, 
   return "[jaxline_ng] " + ", ".join(parts) + (f" | {compact}" if compact else "")
 
 
+class _LoggingAction(periodic.PeriodicAction):
+  """Logging and writing: each due step's scalars reach `fn` as host numbers
+  (`host_scalars`), read from the first device's copy alone."""
+
+  def _to_host(self, scalars):
+    return host_scalars_of_steps(scalars)
+
+
 class _SaveAction(periodic.PeriodicAction):
   """Periodic saving: it reads no scalars, so it does not wait for the step,
   and leaves the last step to the final save (`train`)."""
@@ -200,25 +212,23 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
   actions = {"non_finite_guard": guard}
 
-  def log_progress(step, scalars):
-    values = host_scalars(scalars)
+  def log_progress(step, values):
     guard.observe(step, values)
     logging.info(_progress_line(step, config.training_steps, values))
 
   # The first step is logged and written at once, with no rate (none is
   # known yet); a resumed run's rate is measured from its own start.
-  actions["log"] = periodic.PeriodicAction(
+  actions["log"] = _LoggingAction(
       log_progress, logging_type, config.log_tensors_interval, start_time=None,
       start_step=start_step, logging_growth_ratios=growth)
 
   if writer is not None and config.log_train_data_interval is not None:
 
-    def write_scalars(step, scalars):
-      values = host_scalars(scalars)
+    def write_scalars(step, values):
       guard.observe(step, values)
       writer.write_scalars(step, values)
 
-    actions["write"] = periodic.PeriodicAction(
+    actions["write"] = _LoggingAction(
         write_scalars, logging_type, config.log_train_data_interval,
         start_time=None, start_step=start_step, log_all_data=config.log_all_train_data,
         logging_growth_ratios=growth)

@@ -51,3 +51,47 @@ def test_tree_psum_inside_pmap():
   total = jax.pmap(lambda t: utils.tree_psum(t, "i"), axis_name="i")(
       utils.bcast_local_devices({"a": jnp.ones(())}))
   assert float(utils.get_first(total)["a"]) == jax.local_device_count()
+
+
+def _per_device_values(k):
+  """A pmap output holding a different value on each device: k, k + 1, ..."""
+  n = jax.local_device_count()
+  return jax.pmap(lambda x: x + k, axis_name="i")(jnp.arange(n, dtype=jnp.float32))
+
+
+def test_first_copies_to_host_read_one_copy_of_each_array_of_each_tree():
+  mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("data",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  # 37 steps: stacked in groups padded to powers of two, the last group partial.
+  trees = [{"per_device": _per_device_values(k),
+            "replicated": jax.device_put(jnp.float32(k), replicated),
+            "single": jax.device_put(jnp.int32(k), jax.local_devices()[0]),
+            "host": float(k), "text": "x"} for k in range(37)]
+  got = devices.first_copies_to_host(trees)
+  for k, tree in enumerate(got):
+    # A per-device array keeps its leading axis; the first device holds k.
+    np.testing.assert_array_equal(tree["per_device"], np.array([k], np.float32))
+    assert np.asarray(tree["replicated"]).shape == () and tree["replicated"] == k
+    assert tree["single"] == k and np.asarray(tree["single"]).dtype == np.int32
+    assert tree["host"] == float(k) and tree["text"] == "x"
+    assert not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree))
+
+
+def test_first_copies_to_host_split_large_groups_and_read_other_arrays_whole():
+  n = jax.local_device_count()
+  sharded_rows = jax.device_put(jnp.arange(2 * n, dtype=jnp.float32).reshape(2 * n),
+                                devices.per_device_sharding())
+  trees = [{"loss": _per_device_values(k)} for k in range(300)] + [{"rows": sharded_rows}]
+  got = devices.first_copies_to_host(trees)
+  assert [float(tree["loss"][0]) for tree in got[:300]] == list(range(300))
+  # Two rows per device hold no single copy: the whole array is read.
+  np.testing.assert_array_equal(got[300]["rows"], np.arange(2 * n))
+
+
+def test_first_copies_to_host_read_many_arrays_of_one_placement_in_one_transfer(monkeypatch):
+  reads = []
+  first_shard = devices._first_shard  # pylint: disable=protected-access
+  monkeypatch.setattr(devices, "_first_shard", lambda leaf: reads.append(leaf) or first_shard(leaf))
+  got = devices.first_copies_to_host([{"loss": _per_device_values(k)} for k in range(64)])
+  assert [float(tree["loss"][0]) for tree in got] == list(range(64))
+  assert len(reads) == 1
