@@ -19,6 +19,7 @@ def get_config():
   config = base_config.get_base_config()
   config.training_steps = 2
   config.log_train_data_interval = None
+  config.tensorboard = False
   return config
 
 def _observe(x):

@@ -53,10 +53,12 @@ def test_tree_psum_inside_pmap():
   assert float(utils.get_first(total)["a"]) == jax.local_device_count()
 
 
+_add = jax.pmap(lambda x, k: x + k, axis_name="i", in_axes=(0, None))
+
+
 def _per_device_values(k):
   """A pmap output holding a different value on each device: k, k + 1, ..."""
-  n = jax.local_device_count()
-  return jax.pmap(lambda x: x + k, axis_name="i")(jnp.arange(n, dtype=jnp.float32))
+  return _add(jnp.arange(jax.local_device_count(), dtype=jnp.float32), jnp.float32(k))
 
 
 def test_first_copies_to_host_read_one_copy_of_each_array_of_each_tree():

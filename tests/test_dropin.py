@@ -183,6 +183,7 @@ def test_a_failing_constructor_exits_1_with_its_error_last(tmp_path):
       def get_config():
         config = base_config.get_base_config()
         config.checkpoint_dir = RUN_DIR
+        config.tensorboard = False  # Nothing to show, and TensorFlow's import takes seconds.
         return config
 
       class Broken(experiment.AbstractExperiment):

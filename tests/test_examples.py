@@ -27,16 +27,22 @@ PUBLISHED = "tests/experiments/published_style.py"
 # Generous: several runs share 2 cores, and a loaded CI machine is slower.
 TIMEOUT_SECS = 300
 
+# Runs whose TensorBoard files no test reads write metrics.jsonl alone:
+# importing TensorFlow costs each seconds of CPU on a 2-core machine.
+NO_TENSORBOARD = "--config.tensorboard=False"
+
 # name: (script, config argument, --jaxline_mode, steps the run trains for,
 #        further flags). char_lm checkpoints to disk: a second run resumes
 # from it in train_eval_multithreaded (see test_char_lm_resumes_...).
 RUNS = {
-    "digits_train": (DIGITS, ":smoke", "train", 10, ()),
+    "digits_train": (DIGITS, ":smoke", "train", 10, (NO_TENSORBOARD,)),
     "digits_train_eval": (DIGITS, ":smoke", "train_eval_multithreaded", 10, ()),
-    "char_lm_train": (CHAR_LM, ":smoke", "train", 10, ("--config.checkpointer=disk",)),
+    "char_lm_train": (CHAR_LM, ":smoke", "train", 10,
+                      ("--config.checkpointer=disk", NO_TENSORBOARD)),
     "char_lm_mesh": (CHAR_LM, ":smoke", "train", 10,
-                     ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:2")),
-    "published_style": (PUBLISHED, "", "train_eval_multithreaded", 20, ()),
+                     ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:2",
+                      NO_TENSORBOARD)),
+    "published_style": (PUBLISHED, "", "train_eval_multithreaded", 20, (NO_TENSORBOARD,)),
 }
 
 
@@ -163,7 +169,7 @@ def test_char_lm_resumes_and_evaluates(runs, tmp_path):
   """A second run restores the disk checkpoint, counter included, and evaluates."""
   first = runs["char_lm_train"].wait()
   run = Run(CHAR_LM, ":smoke", "train_eval_multithreaded", 15,
-            ("--config.checkpointer=disk", "--config.training_steps=15"),
+            ("--config.checkpointer=disk", "--config.training_steps=15", NO_TENSORBOARD),
             tmp_path, checkpoint_dir=first.checkpoint_dir).wait()
   assert "Restored" in run.log_path.read_text()
   last = run.metrics("train")[-1]

@@ -62,6 +62,7 @@ def test_get_config_returning_a_plain_dict_is_accepted(tmp_path):
       "def get_config():\n"
       "  config = base_config.get_base_config().to_dict()\n"
       "  config.update(training_steps=4, interval_type='steps', log_train_data_interval=2,\n"
+      "                tensorboard=False,\n"
       "                experiment_kwargs={'config': {'learning_rate': 0.1, 'dim': 3,\n"
       "                                              'fail_at_step': -1, 'fail_on_process': -1,\n"
       "                                              'record_keys_dir': '',\n"
