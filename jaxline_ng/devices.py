@@ -113,8 +113,8 @@ def first_copies_to_host(trees: list[Any]) -> list[Any]:
   size 1; other arrays are copied whole, other leaves kept as they are.
 
   Only arrays of this process's devices alone are stacked, and stacking
-  moves no data between devices: no collective is run, so this is safe on
-  any thread.
+  moves no data between devices: no collective is run. The logging threads
+  call this; `xla_cpu` leaves room in XLA's pool for their dispatches.
   """
   flat = [jax.tree.flatten(tree) for tree in trees]
   leaves = [list(tree_leaves) for tree_leaves, _ in flat]
@@ -146,8 +146,15 @@ def first_copies_to_host(trees: list[Any]) -> list[Any]:
 
 
 def first_copy_to_host(tree: Any) -> Any:
-  """`first_copies_to_host` of one tree."""
-  return first_copies_to_host([tree])[0]
+  """`first_copies_to_host` of one tree, one transfer per array and nothing
+  dispatched to the devices: safe on any thread."""
+
+  def first_copy(leaf):
+    if not isinstance(leaf, jax.Array):
+      return leaf
+    return np.asarray(_first_shard(leaf) if _holds_one_copy(leaf) else leaf)
+
+  return jax.tree.map(first_copy, tree)
 
 
 def get_first(tree: Any) -> Any:

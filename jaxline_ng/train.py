@@ -101,25 +101,34 @@ def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
 
   A value may be a scalar or one copy per local device (a pmap output the
   experiment did not reduce with `get_first`); the first device's copy is
-  taken then. Anything else is a ScalarsError naming the scalar.
+  taken then. Anything else is a ScalarsError naming the scalar. Nothing
+  is dispatched to the devices (see `host_scalars_of_steps`).
   """
-  return host_scalars_of_steps([scalars])[0]
+  _check_scalars([scalars])
+  return _numbers(devices.first_copy_to_host(dict(scalars)))
 
 
 def host_scalars_of_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """`host_scalars` of several steps' outputs, read from the devices together."""
+  """`host_scalars` of several steps' outputs, stacked on the devices and read together."""
+  _check_scalars(steps)
+  return [_numbers(values)
+          for values in devices.first_copies_to_host([dict(scalars) for scalars in steps])]
+
+
+def _check_scalars(steps: Sequence[Mapping[str, Any]]) -> None:
   for scalars in steps:
     problems = scalar_problems(scalars, "the experiment")
     if problems:
       raise ScalarsError(problems[0])
-  result = []
-  for values in devices.first_copies_to_host([dict(scalars) for scalars in steps]):
-    for name, value in values.items():
-      if not isinstance(value, (int, float)):
-        array = np.asarray(value)
-        values[name] = (array[0] if array.ndim == 1 else array).item()
-    result.append(values)
-  return result
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, Any]:
+  """Host values as Python numbers; one per device (shape [1]) gives its number."""
+  for name, value in values.items():
+    if not isinstance(value, (int, float)):
+      array = np.asarray(value)
+      values[name] = (array[0] if array.ndim == 1 else array).item()
+  return values
 
 
 class _StepScalarsCheck:

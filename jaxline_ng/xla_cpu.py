@@ -12,6 +12,7 @@ device always leaves the collective room, whatever the experiment's `step`
 returns or keeps. jaxline_ng asks for `THREADS_PER_DEVICE` per device
 through `PJRT_NPROC` before JAX starts its CPU backend (this module runs
 when any part of jaxline_ng is imported): enough for the training thread,
+its two logging threads (which stack the scalars they read on the devices),
 the evaluator of `train_eval_multithreaded` and one thread of the
 experiment's own. A `PJRT_NPROC` set by the user is left alone.
 """
@@ -20,7 +21,7 @@ import os
 import re
 import sys
 
-THREADS_PER_DEVICE = 4
+THREADS_PER_DEVICE = 6
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 # The value this module put in PJRT_NPROC, so a later call may raise it.
