@@ -259,15 +259,16 @@ _EXITING_KEY = "jaxline_ng/exiting/{}"
 _EXIT_AFTER_OTHERS_SECS = 1.0
 
 
-def exit_after_failure(exit_code: int, failed: int) -> None:
-  """Ends this process at once after process `failed` failed (this one or a peer).
+def exit_after_failure(exit_code: int) -> None:
+  """Ends this process at once after a process failed (this one or a peer).
 
   Skips the graceful shutdown: JAX's distributed shutdown at interpreter
   exit waits for every process, which would hang. Process 0 hosts JAX's
   coordination service; gone first, it would make the others' runtime
   clients abort their process (SIGABRT) before they exit with `exit_code`.
   So each process says it is exiting, as the last thing it does, and
-  process 0 waits for every other live one to say so (at most
+  process 0 waits for every other one, the failed one included (it
+  publishes its failure, then comes here), to say so (at most
   `_PEER_FAILURE_FLUSH_SECS` and a margin) before it exits.
   """
   logging.flush()
@@ -277,7 +278,7 @@ def exit_after_failure(exit_code: int, failed: int) -> None:
     key_value_set(_EXITING_KEY.format(jax.process_index()), "")
   except Exception:  # pylint: disable=broad-except  (the runtime is gone already)
     pass
-  others = [p for p in range(1, jax.process_count()) if p != failed]
+  others = range(1, jax.process_count())
   if jax.process_index() == 0 and others:
     deadline = time.monotonic() + _PEER_FAILURE_FLUSH_SECS + 5.0
     try:
@@ -339,4 +340,4 @@ def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
   flushing = threading.Thread(target=flush, daemon=True)
   flushing.start()
   flushing.join(timeout=_PEER_FAILURE_FLUSH_SECS)
-  exit_after_failure(exit_code, failed=process)
+  exit_after_failure(exit_code)

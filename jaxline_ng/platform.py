@@ -361,4 +361,4 @@ def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:
     logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
                       jax.process_index())
   multihost.publish_failure(message.splitlines()[0] if message else "", 1)
-  multihost.exit_after_failure(1, failed=jax.process_index())
+  multihost.exit_after_failure(1)
