@@ -84,6 +84,11 @@ def _holds_one_copy(leaf: jax.Array) -> bool:
       leaf.sharding.shard_shape(leaf.shape)[0] == 1
 
 
+def _read_first_copy(leaf: jax.Array) -> np.ndarray:
+  """One transfer: the first shard if it is a whole copy, else the whole array."""
+  return np.asarray(_first_shard(leaf) if _holds_one_copy(leaf) else leaf)
+
+
 # Reading many arrays of one placement (the scalars of every step logged since
 # the last hand-over) stacks them on their devices first: one dispatch and one
 # transfer instead of one transfer each, and JAX builds a Python object per
@@ -123,19 +128,18 @@ def first_copies_to_host(trees: list[Any]) -> list[Any]:
     for j, leaf in enumerate(tree_leaves):
       if not isinstance(leaf, jax.Array):
         continue
-      if not _holds_one_copy(leaf):
-        tree_leaves[j] = np.asarray(leaf)
-      elif not leaf.is_fully_addressable:  # Stacking it would run a program on every process.
-        tree_leaves[j] = np.asarray(_first_shard(leaf))
-      else:
+      # Stacking an array of several processes would run a program on every process.
+      if _holds_one_copy(leaf) and leaf.is_fully_addressable:
         groups.setdefault((leaf.sharding, leaf.shape, leaf.dtype), []).append((i, j))
+      else:
+        tree_leaves[j] = _read_first_copy(leaf)
   for (sharding, _, _), positions in groups.items():
     stack = _stacker(sharding)
     for begin in range(0, len(positions), _MAX_STACK):
       chunk = positions[begin:begin + _MAX_STACK]
       arrays = [leaves[i][j] for i, j in chunk]
       if stack is None or len(arrays) < _MIN_STACK:
-        rows = [np.asarray(_first_shard(array)) for array in arrays]
+        rows = [_read_first_copy(array) for array in arrays]
       else:
         padded = 1 << (len(arrays) - 1).bit_length()
         rows = np.asarray(_first_shard(stack(arrays + arrays[-1:] * (padded - len(arrays)))))
@@ -149,12 +153,8 @@ def first_copy_to_host(tree: Any) -> Any:
   """`first_copies_to_host` of one tree, one transfer per array and nothing
   dispatched to the devices: safe on any thread."""
 
-  def first_copy(leaf):
-    if not isinstance(leaf, jax.Array):
-      return leaf
-    return np.asarray(_first_shard(leaf) if _holds_one_copy(leaf) else leaf)
-
-  return jax.tree.map(first_copy, tree)
+  return jax.tree.map(lambda leaf: _read_first_copy(leaf) if isinstance(leaf, jax.Array) else leaf,
+                      tree)
 
 
 def get_first(tree: Any) -> Any:

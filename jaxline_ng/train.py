@@ -183,7 +183,7 @@ def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, 
 
 class _LoggingAction(periodic.PeriodicAction):
   """Logging and writing: each due step's scalars reach `fn` as host numbers
-  (`host_scalars`), read from the first device's copy alone."""
+  (`host_scalars_of_steps`), read from the first device's copy alone."""
 
   def _to_host(self, scalars):
     return host_scalars_of_steps(scalars)
