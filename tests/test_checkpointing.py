@@ -165,3 +165,37 @@ def test_restore_right_after_save_restores_that_save():
   assert state.global_step == 2
   np.testing.assert_array_equal(utils.get_first(state.experiment_module._params)["w"],  # pylint: disable=protected-access
                                 np.full(3, 2.0))
+
+
+def test_a_save_checked_in_the_background_is_dropped_on_a_veto_and_the_last_good_one_kept():
+  """The loop's check of a save (the non-finite guard) waits for the newest
+  step, so it runs off the training thread; a veto removes the snapshot, and
+  the one before it survives even with `max_checkpoints_to_keep=1`."""
+  config = config_for(3)
+  config.max_checkpoints_to_keep = 1
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  state = checkpointer.get_experiment_state("latest")
+  state.experiment_module = Params("train", None)
+  state.global_step = 1
+  checkpointer.save("latest", validate=lambda: None)
+  events = []
+  release = threading.Event()
+
+  def veto():
+    release.wait(timeout=5)
+    events.append("checked")
+    raise FloatingPointError("non-finite")
+
+  state.global_step = 2
+  checkpointer.save("latest", validate=veto)
+  events.append("save returned")
+  history = utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+  assert [snapshot.pickle_nest.global_step for snapshot in history] == [1, 2]
+  release.set()
+  assert checkpointer.restore_path("latest") == 0  # Waits for the check.
+  assert events == ["save returned", "checked"]
+  assert [snapshot.pickle_nest.global_step for snapshot in history] == [1]
+  state.global_step = 3
+  checkpointer.save("latest", validate=lambda: None)
+  checkpointer.wait_for_checkpointing_to_finish()
+  assert [snapshot.pickle_nest.global_step for snapshot in history] == [3]
