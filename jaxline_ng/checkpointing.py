@@ -207,9 +207,11 @@ class InMemoryCheckpointer:
   def _keep(self, series: CheckpointNT, snapshot: SnapshotNT, ckpt_series: str,
             step: Any) -> None:
     """Keeps `snapshot` and the `max_checkpoints_to_keep` - 1 snapshots before it
-    (newer ones may still be checked)."""
+    (newer ones may still be checked), unless newer saves pushed it out already."""
     with self._lock:
-      position = next(i for i, kept in enumerate(series.history) if kept is snapshot)
+      position = next((i for i, kept in enumerate(series.history) if kept is snapshot), None)
+      if position is None:
+        return
       del series.history[:max(0, position + 1 - self._max_checkpoints_to_keep)]
     logging.info("[jaxline_ng] Saved in-memory checkpoint %s/%d at step %s.",
                  ckpt_series, snapshot.id, step)

@@ -199,3 +199,26 @@ def test_a_save_checked_in_the_background_is_dropped_on_a_veto_and_the_last_good
   checkpointer.save("latest", validate=lambda: None)
   checkpointer.wait_for_checkpointing_to_finish()
   assert [snapshot.pickle_nest.global_step for snapshot in history] == [3]
+
+
+def test_a_save_pushed_out_while_it_was_checked_leaves_the_checkpointer_working():
+  """A save without a check (a user's own call) may push out a loop's save
+  still being checked; that check then has nothing to keep, and no error."""
+  config = config_for(3)
+  config.max_checkpoints_to_keep = 1
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  state = checkpointer.get_experiment_state("latest")
+  state.experiment_module = Params("train", None)
+  release = threading.Event()
+  state.global_step = 1
+  checkpointer.save("latest", validate=lambda: release.wait(timeout=5))
+  state.global_step = 2
+  checkpointer.save("latest")
+  release.set()
+  checkpointer.wait_for_checkpointing_to_finish()
+  history = utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+  assert [snapshot.pickle_nest.global_step for snapshot in history] == [2]
+  state.global_step = 3
+  checkpointer.save("latest", validate=lambda: None)
+  checkpointer.wait_for_checkpointing_to_finish()
+  assert [snapshot.pickle_nest.global_step for snapshot in history] == [3]
