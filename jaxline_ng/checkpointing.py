@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from jaxline_ng import background, devices, rng
+from jaxline_ng import devices, rng
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
@@ -137,12 +137,6 @@ def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
       setattr(state, name, value)
 
 
-# Checks of in-memory saves (see `InMemoryCheckpointer.save`). One for the
-# process, as the series are: a reader waits for the checks of saves made
-# through any checkpointer, e.g. the evaluator for the trainer's.
-_CHECKS = background.Worker("jaxline_ng_in_memory_checks")
-
-
 class InMemoryCheckpointer:
   """Keeps up to `max_checkpoints_to_keep` snapshots per series, on device as jaxline did.
 
@@ -171,58 +165,24 @@ class InMemoryCheckpointer:
     return active.state
 
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
-    """Snapshots the live state of `ckpt_series`: `history[-1]` when this returns.
-
-    `validate` (the loop's non-finite guard) may veto the snapshot by
-    raising. It waits for the newest step, so it runs on a background
-    thread, and the training thread goes on feeding the devices. Until it
-    passes, older snapshots are kept beyond `max_checkpoints_to_keep`; if
-    it raises, the snapshot is removed again. `restore`, `restore_path`,
-    `can_be_restored` and `wait_for_checkpointing_to_finish` wait for it.
-    """
+    """Snapshots the live state of `ckpt_series`; `validate()` may veto it by raising."""
+    if validate is not None:
+      validate()
     nest = device_snapshot(self.get_experiment_state(ckpt_series))
+    snapshot = ml_collections.ConfigDict(nest)
     series = self._series(ckpt_series)
     with self._lock:
-      snapshot = SnapshotNT(series.history[-1].id + 1 if series.history else 0,
-                            ml_collections.ConfigDict(nest))
-      series.history.append(snapshot)
-    step = nest.get("global_step")
-    if validate is None:
-      self._keep(series, snapshot, ckpt_series, step)
-      return
-
-    def check():
-      try:
-        validate()
-      except Exception:  # pylint: disable=broad-except  (the guard reports its own failure)
-        logging.warning("[jaxline_ng] Dropped in-memory checkpoint %s/%d at step %s: the "
-                        "non-finite guard vetoed it.", ckpt_series, snapshot.id, step)
-        with self._lock:
-          series.history[:] = [kept for kept in series.history if kept is not snapshot]
-        return
-      self._keep(series, snapshot, ckpt_series, step)
-
-    _CHECKS.submit(check)
-
-  def _keep(self, series: CheckpointNT, snapshot: SnapshotNT, ckpt_series: str,
-            step: Any) -> None:
-    """Keeps `snapshot` and the `max_checkpoints_to_keep` - 1 snapshots before it
-    (newer ones may still be checked), unless newer saves pushed it out already."""
-    with self._lock:
-      position = next((i for i, kept in enumerate(series.history) if kept is snapshot), None)
-      if position is None:
-        return
-      del series.history[:max(0, position + 1 - self._max_checkpoints_to_keep)]
+      next_id = series.history[-1].id + 1 if series.history else 0
+      series.history.append(SnapshotNT(next_id, snapshot))
+      del series.history[:-self._max_checkpoints_to_keep]
     logging.info("[jaxline_ng] Saved in-memory checkpoint %s/%d at step %s.",
-                 ckpt_series, snapshot.id, step)
+                 ckpt_series, next_id, nest.get("global_step"))
 
   def can_be_restored(self, ckpt_series: str) -> bool:
-    _CHECKS.wait()
     series = global_checkpoint_dict().get(ckpt_series)
     return bool(series and series.history)
 
   def restore(self, ckpt_series: str) -> None:
-    _CHECKS.wait()
     snapshot = self._series(ckpt_series).history[-1]
     nest = snapshot.pickle_nest
     if isinstance(nest, ml_collections.ConfigDict):
@@ -236,8 +196,7 @@ class InMemoryCheckpointer:
     return global_checkpoint_dict()[ckpt_series].history[-1].id
 
   def wait_for_checkpointing_to_finish(self) -> None:
-    """Waits for the checks of the saves so far (see `save`)."""
-    _CHECKS.wait()
+    """Nothing to wait for: saves are complete when `save` returns."""
 
 
 def get_checkpoint_dir(config, host_id: int) -> str:
