@@ -85,6 +85,10 @@ class NonFiniteGuard:
     self._failure: NonFiniteError | None = None
     self._failed_step: int | None = None
     self._newest_step = -1  # For `verdict_through`, on another thread.
+    # Checks covering the same steps (the loop's, a save worker's) may report
+    # at once; each step is examined once, so "warn" logs it once.
+    self._report_lock = threading.Lock()
+    self._reported_through = -1
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     self._newest_step = step
@@ -171,21 +175,26 @@ class NonFiniteGuard:
     self._report_first_bad(steps)
 
   def _report_first_bad(self, steps: list[tuple[int, Any]]) -> None:
-    """Reads `steps` in order; reports the first non-finite one (warn: each)."""
-    for step, scalars in steps:
-      bad = non_finite_names(_host_copy(scalars, every_device=True))
-      if not bad:
-        continue
-      # `step` counts steps completed, so the step that produced it saw step - 1.
-      message = (f"non-finite training scalars {', '.join(bad)} at step {step} "
-                 f"(the step called with global_step={step - 1})")
-      if self._policy == "warn":
-        logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
-        continue
-      self._failed_step = step
-      self._failure = NonFiniteError(
-          f"{message}; stopped without saving it (non_finite_policy='halt')")
-      raise self._failure
+    """Reads `steps` in order; reports the first non-finite one (warn: each, once)."""
+    with self._report_lock:
+      for step, scalars in steps:
+        if step <= self._reported_through:
+          continue
+        bad = non_finite_names(_host_copy(scalars, every_device=True))
+        if not bad:
+          continue
+        # `step` counts steps completed, so the step that produced it saw step - 1.
+        message = (f"non-finite training scalars {', '.join(bad)} at step {step} "
+                   f"(the step called with global_step={step - 1})")
+        if self._policy == "warn":
+          logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
+          continue
+        self._failed_step = step
+        self._failure = NonFiniteError(
+            f"{message}; stopped without saving it (non_finite_policy='halt')")
+        raise self._failure
+      if steps:
+        self._reported_through = max(self._reported_through, steps[-1][0])
     self._forget_up_to(steps[-1][0] if steps else -1)
 
   def finish(self) -> None:

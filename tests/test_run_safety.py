@@ -121,6 +121,19 @@ def test_a_sealed_check_covers_exactly_the_steps_before_it():
     guard(0.0, 12, {"loss": double(ones)})
 
 
+def test_warn_logs_each_bad_step_once_when_two_checks_cover_it(caplog):
+  """The loop's final check and the disk checkpointer's check of the final
+  save cover the same steps; "warn" logged the last bad step twice."""
+  guard = guards.NonFiniteGuard("warn")
+  for step in range(1, 5):
+    guard(0.0, step, {"loss": jnp.float32(np.nan if step >= 3 else 1.0)})
+  save_check = guard.seal()
+  guard.check()
+  save_check()
+  assert caplog.text.count("at step 3 ") == 1
+  assert caplog.text.count("at step 4 ") == 1
+
+
 def test_a_nan_on_another_device_is_named_once_it_reaches_the_first():
   guard = guards.NonFiniteGuard("halt")
   only_last = np.ones(jax.local_device_count(), np.float32)
