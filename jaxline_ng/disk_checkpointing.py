@@ -9,9 +9,10 @@ lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
   (a NamedTuple's fields by name, a tuple's or list's items by index). It
   holds one copy of pmap-replicated state, without a device axis, and
   reads with orbax alone: `ocp.StandardCheckpointer().restore(<step>/state)`.
-- `meta`: JSON with the snapshot's plain Python values, the list/dict/tuple
-  skeleton each entry was made of, the topology that wrote it, a checksum
-  of every array (`fingerprint`) and a digest of the JSON itself.
+- `meta`: JSON with the snapshot's plain Python values, the skeleton each
+  entry was made of (dicts, lists, tuples, NamedTuples by class name), the
+  topology that wrote it, a checksum of every array (`fingerprint`) and a
+  digest of the JSON itself.
 
 Saving takes fresh on-device copies of the state on the calling thread (so
 donation and later steps cannot change them) and dispatches each array's
@@ -34,6 +35,7 @@ import hashlib
 import json
 import logging as python_logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -90,10 +92,13 @@ def _key_name(key) -> str:
 
 
 def _skeleton(value: Any) -> Any:
-  """A JSON description of plain containers, or None if `value` has other nodes.
+  """A JSON description of `value`'s containers, or None if it has other nodes.
 
   Leaves become {"leaf": i} (their index among the entry's leaves), so the
-  skeleton plus the leaves rebuild the value without knowing its type.
+  skeleton plus the leaves rebuild the value. A NamedTuple (an optax state)
+  is described by its class's name: jaxline experiments often build such
+  state in the first step unless a restore already set it, so a restore
+  must recreate it without a live value to copy the structure from.
   """
   counter = iter(range(1 << 62))
 
@@ -106,6 +111,9 @@ def _skeleton(value: Any) -> Any:
       return {"dict": {k: describe(node[k]) for k in sorted(node)}}
     if type(node) in (list, tuple):
       return {type(node).__name__: [describe(v) for v in node]}
+    if isinstance(node, tuple) and hasattr(type(node), "_fields"):
+      return {"namedtuple": f"{type(node).__module__}:{type(node).__qualname__}",
+              "fields": [describe(v) for v in node]}
     if isinstance(node, (jax.Array, np.ndarray, np.generic, *_PLAIN_VALUES)):
       return {"leaf": next(counter)}
     raise TypeError
@@ -116,7 +124,28 @@ def _skeleton(value: Any) -> Any:
     return None
 
 
+class _NotImported(LookupError):
+  """A skeleton's NamedTuple class is not among this program's imported classes."""
+
+
+def _namedtuple_class(name: str, num_fields: int) -> type:
+  """The NamedTuple class `module:qualname`, looked up in the modules already
+  imported: a checkpoint never makes the program import or run anything."""
+  module_name, _, qualname = name.partition(":")
+  cls = sys.modules.get(module_name)
+  for part in qualname.split("."):
+    cls = getattr(cls, part, None)
+  if not (isinstance(cls, type) and issubclass(cls, tuple)
+          and len(getattr(cls, "_fields", ())) == num_fields):
+    raise _NotImported(name)
+  return cls
+
+
 def _rebuild(skeleton: Any, leaves: list) -> Any:
+  """The value `skeleton` describes, with `leaves`; raises _NotImported."""
+  if "namedtuple" in skeleton:
+    cls = _namedtuple_class(skeleton["namedtuple"], len(skeleton["fields"]))
+    return cls(*(_rebuild(v, leaves) for v in skeleton["fields"]))
   if "none" in skeleton:
     return None
   if "leaf" in skeleton:
@@ -126,6 +155,14 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
   if "list" in skeleton:
     return [_rebuild(v, leaves) for v in skeleton["list"]]
   return tuple(_rebuild(v, leaves) for v in skeleton["tuple"])
+
+
+def _names_classes(skeleton: Any) -> bool:
+  """Whether `skeleton` has a NamedTuple, whose class only the experiment's program has."""
+  if "namedtuple" in skeleton:
+    return True
+  children = skeleton.get("list") or skeleton.get("tuple") or skeleton.get("dict", {}).values()
+  return any(_names_classes(child) for child in children)
 
 
 _MODULE_PREFIX = "experiment_module/"
@@ -326,11 +363,24 @@ def _read_meta(path: str, together: bool = False) -> dict[str, Any]:
   return meta
 
 
-def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str) -> Any:
+def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
+               training: bool) -> Any:
+  """An entry's value: rebuilt from its skeleton, else in the live value's structure.
+
+  An entry the experiment holds as None is restored when its skeleton
+  rebuilds it, as jaxline restores every checkpointed attribute. When it
+  cannot be (a type other than containers and imported NamedTuples), an
+  evaluation mode keeps None (an optimizer state it does not use) with a
+  warning, and training refuses: the experiment would build the state
+  afresh in its first step and train from fresh weights at the saved step.
+  """
   live_treedef = None if live is None else jax.tree.structure(live)
-  if entry["skeleton"] is not None:
-    value = _rebuild(entry["skeleton"], leaves)
-    # Same leaves, other node types (a NamedTuple saved as a tuple): take the live ones.
+  try:
+    value = None if entry["skeleton"] is None else _rebuild(entry["skeleton"], leaves)
+  except _NotImported:
+    value = None
+  if value is not None or entry["skeleton"] == {"none": True}:
+    # Same leaves, other node types (a class the skeleton cannot name): take the live ones.
     if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
         live_treedef != jax.tree.structure(value):
       value = jax.tree.unflatten(live_treedef, leaves)
@@ -338,9 +388,11 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str) -> Any
   if live_treedef is not None and live_treedef.num_leaves == len(leaves):
     return jax.tree.unflatten(live_treedef, leaves)
   if live is None and name.startswith(_MODULE_PREFIX):
-    # jaxline experiments often leave state they need only for training (an
-    # optimizer state) as None in their eval modes; its NamedTuples cannot
-    # be rebuilt without the live structure, so it stays None.
+    if training:
+      raise CheckpointRefused(
+          f"checkpoint entry {name} cannot be restored: the experiment holds None there and "
+          "the saved value is not made of dicts, lists, tuples and imported NamedTuples; "
+          "create it in __init__ so that training resumes it rather than starting it afresh")
     logging.warning("[jaxline_ng] Checkpoint entry %s is not restored: the experiment holds "
                     "None there (build it in __init__ to restore it).", name)
     return None
@@ -427,8 +479,8 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool):
   return meta, entries, live, wanted, expected, at
 
 
-def _load(path: str, live_nest: dict[str, Any],
-          together: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def _load(path: str, live_nest: dict[str, Any], together: bool = False,
+          training: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
   """Reads and checks a step directory: `(snapshot, its topology)`.
 
   Arrays are restored onto the shardings of the live arrays they replace
@@ -471,7 +523,7 @@ def _load(path: str, live_nest: dict[str, Any],
     if not wanted(name):
       continue
     leaves = [at(leaf["array"]) if "array" in leaf else leaf["value"] for leaf in entry["leaves"]]
-    value = _value_for(entry, leaves, live.get(name), name)
+    value = _value_for(entry, leaves, live.get(name), name, training)
     if name.startswith(_MODULE_PREFIX):
       nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value
     else:
@@ -501,8 +553,11 @@ def read(checkpoint_dir: str, series: str = "latest",
   meta = _read_meta(path)
   live: dict[str, Any] = {"experiment_module": {}}
   for name, entry in meta["entries"].items():
-    # Without a live structure, an entry of other nodes is a flat list of its leaves.
-    placeholder = [0] * len(entry["leaves"]) if entry["skeleton"] is None else None
+    # Without the experiment's program, an entry of other nodes (NamedTuples
+    # included: their classes may not be imported) is a flat list of its leaves.
+    skeleton = entry["skeleton"]
+    placeholder = (None if skeleton is not None and not _names_classes(skeleton)
+                   else [0] * len(entry["leaves"]))
     if name.startswith(_MODULE_PREFIX):
       live["experiment_module"][name[len(_MODULE_PREFIX):]] = placeholder
     else:
@@ -559,6 +614,7 @@ class DiskCheckpointer:
     logging.get_absl_logger().addFilter(_drop_orbax_info)  # Once: addFilter skips repeats.
     # Train and eval processes share the series; each moves aside only
     # damaged checkpoints of the series it writes.
+    self._mode = mode
     self._writes = {"latest"} if mode in ("train", "train_eval_multithreaded") else {"best"}
     if mode == "train_eval_multithreaded":
       self._writes.add("best")
@@ -691,10 +747,14 @@ class DiskCheckpointer:
     live = checkpointing.snapshotted_items(state)
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)
+    # The experiment's own mode: train_eval_multithreaded's evaluator shares this checkpointer.
+    training = getattr(state, "experiment_module", None) is not None and \
+        getattr(state.experiment_module, "mode", self._mode) == "train"
     failures = []
     for candidate in candidates:
       try:
-        nest, topology = _load(candidate, live, together=self.every_process_saves)
+        nest, topology = _load(candidate, live, together=self.every_process_saves,
+                               training=training)
       except CheckpointRefused:
         raise
       except (UnusableCheckpoint, KeyError, TypeError, IndexError, AttributeError) as e:

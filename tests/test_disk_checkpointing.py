@@ -309,9 +309,9 @@ class EvalWithoutOptimizer(Rich):
       self._opt_state = None
 
 
-def test_an_eval_mode_that_holds_none_restores_the_rest(tmp_path):
+def test_an_eval_mode_that_holds_none_restores_it_as_jaxline_does(tmp_path):
   config = disk_config(tmp_path, 4)
-  run(config)
+  trained = run(config)
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "eval")
   writer = []
 
@@ -325,4 +325,71 @@ def test_an_eval_mode_that_holds_none_restores_the_rest(tmp_path):
   train.evaluate(EvalWithoutOptimizer, config, checkpointer, Rows(), jaxline_mode="eval")
   assert [step for step, _ in writer] == [4]
   assert writer[0][1] != 0.0  # Trained parameters were restored.
-  assert checkpointer.get_experiment_state("latest").experiment_module._opt_state is None  # pylint: disable=protected-access
+  restored = checkpointer.get_experiment_state("latest").experiment_module
+  assert isinstance(utils.get_first(restored._opt_state)[0], optax.ScaleByAdamState)  # pylint: disable=protected-access
+  _assert_same_arrays(restored._opt_state, trained._opt_state)  # pylint: disable=protected-access
+
+
+def _assert_same_arrays(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(utils.get_first(got)), jax.tree.leaves(utils.get_first(want))):
+    np.testing.assert_array_equal(a, b)
+
+
+class BuiltInFirstStep(Rich):
+  """Published pattern (BYOL, NFNets): the optimizer state and other NamedTuple
+  state are None after __init__; the first step builds them unless a restore
+  has set them already."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._fresh = (self._opt_state, self._moments)
+    self._opt_state = self._moments = None
+
+  def step(self, global_step, **unused):
+    if self._moments is None:
+      self._opt_state, self._moments = self._fresh
+    return super().step(global_step=global_step)
+
+
+def _train(experiment_class, config):
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(experiment_class, config, checkpointer, None)
+  return checkpointer.get_experiment_state("latest").experiment_module
+
+
+def test_state_built_in_the_first_step_resumes_instead_of_starting_afresh(tmp_path):
+  uninterrupted = _train(BuiltInFirstStep, disk_config(tmp_path / "once", 7))
+  _train(BuiltInFirstStep, disk_config(tmp_path / "twice", 4))
+  resumed = _train(BuiltInFirstStep, disk_config(tmp_path / "twice", 7))
+  assert isinstance(utils.get_first(resumed._moments), Moments)  # pylint: disable=protected-access
+  assert int(utils.get_first(resumed._moments).count) == 7  # pylint: disable=protected-access
+  _assert_same_arrays((resumed._params, resumed._opt_state, resumed._moments),  # pylint: disable=protected-access
+                      (uninterrupted._params, uninterrupted._opt_state, uninterrupted._moments))  # pylint: disable=protected-access
+
+
+def test_training_refuses_state_it_cannot_rebuild_rather_than_start_it_afresh(tmp_path):
+  # A NamedTuple class made inside a function: no module attribute names it.
+  LocalMoments = collections.namedtuple("LocalMoments", ["mean", "count"])  # noqa: N806
+
+  class BuiltFromLocalClass(BuiltInFirstStep):
+
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._fresh = (self._fresh[0], LocalMoments(*self._fresh[1]))
+
+    def step(self, global_step, **unused):
+      if self._moments is None:
+        self._opt_state, self._moments = self._fresh
+      moments = self._moments
+      self._moments = Moments(*moments)
+      scalars = Rich.step(self, global_step=global_step)
+      self._moments = LocalMoments(*self._moments)
+      return scalars
+
+  _train(BuiltFromLocalClass, disk_config(tmp_path, 4))
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"experiment_module/moments cannot be restored: the experiment holds "
+                           r"None there"):
+    _train(BuiltFromLocalClass, disk_config(tmp_path, 6))
+  assert series_steps(tmp_path) == [2, 4]  # Nothing was moved aside or overwritten.
