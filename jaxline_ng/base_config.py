@@ -168,6 +168,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if steps is not None and (not isinstance(steps, int) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
 
+  # A negative interval would act at every step or, for saves, never before
+  # the end: a sign typo that a preempted run pays for with all its steps.
+  for key, none_allowed in (("log_tensors_interval", True), ("log_train_data_interval", True),
+                            ("save_checkpoint_interval", False)):
+    value = config[key]
+    if value is None and none_allowed:
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+      raise ConfigError(f"config.{key}={value!r} must be a number >= 0"
+                        + (" or None" if none_allowed else ""))
+
   if config.restore_path and config.checkpointer != "disk":
     # Published experiments define restore_path for their own restores from
     # in-memory runs, so it is not an error; jaxline_ng reads it from disk only.

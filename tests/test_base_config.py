@@ -49,12 +49,24 @@ def test_missing_base_key_is_named():
     ("training_steps", -1, "training_steps"),
     ("max_checkpoints_to_keep", 0, "max_checkpoints_to_keep"),
     ("checkpointer", "cloud", "checkpointer"),
+    ("save_checkpoint_interval", -5, "save_checkpoint_interval"),
+    ("save_checkpoint_interval", None, "save_checkpoint_interval"),
+    ("log_tensors_interval", -1, "log_tensors_interval"),
+    ("log_train_data_interval", -0.5, "log_train_data_interval"),
 ])
 def test_malformed_values_name_the_key(key, value, culprit):
   config = base_config.get_base_config()
   config[key] = value
   with pytest.raises(base_config.ConfigError, match=f"config.{culprit}="):
     base_config.validate_config(config)
+
+
+def test_zero_and_none_intervals_keep_their_jaxline_meaning():
+  config = base_config.get_base_config()
+  config.save_checkpoint_interval = 0  # Only the final save.
+  config.log_train_data_interval = None  # No writing.
+  config.log_tensors_interval = None
+  base_config.validate_config(config)
 
 
 def test_restore_path_with_in_memory_checkpoints_is_left_to_the_experiment():
