@@ -11,6 +11,7 @@ resumed run can say which keys differ — or refuse, with
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -19,6 +20,14 @@ import jax
 import jaxlib
 
 import jaxline_ng
+
+# CPython's default repr of an object ("<function f at 0x7f...>") holds its
+# address, which differs in every process: a config holding functions or
+# objects must compare equal to itself on resume and across processes.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# Where a run lives and how strictly it compares are not what it computes: a
+# moved run directory, or turning the strict check on, is no difference.
+_NOT_COMPARED = frozenset(("checkpoint_dir", "strict_resume_config"))
 
 
 def flat_config(config) -> dict[str, Any]:
@@ -34,7 +43,7 @@ def flat_config(config) -> dict[str, Any]:
       json.dumps(node)
       flat[prefix] = node
     except (TypeError, ValueError):
-      flat[prefix] = repr(node)
+      flat[prefix] = _ADDRESS.sub("", repr(node))
 
   visit("", config.to_dict() if hasattr(config, "to_dict") else config)
   return flat
@@ -83,9 +92,10 @@ def write(config, mode: str, logdir: str) -> str:
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  """Lines `key: saved -> current` for every key whose value differs."""
+  """Lines `key: saved -> current` for every key whose value differs (but the run's location
+  and `strict_resume_config`)."""
   lines = []
-  for key in sorted(set(saved) | set(current)):
+  for key in sorted((set(saved) | set(current)) - _NOT_COMPARED):
     before, after = saved.get(key, "<absent>"), current.get(key, "<absent>")
     if before != after:
       lines.append(f"{key}: {before!r} -> {after!r}")

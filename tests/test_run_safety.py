@@ -265,3 +265,21 @@ def test_resume_with_different_config_warns_or_refuses(caplog):
   assert "training_steps: 3 -> 5" in caplog.text
   with pytest.raises(base_config.ConfigError, match="strict_resume_config.*training_steps"):
     run(make_config(non_finite_policy="off", training_steps=7, strict_resume_config=True))
+
+
+def test_an_unchanged_config_is_no_difference_whatever_it_holds():
+  def make_schedule():
+    def schedule(step):
+      return 0.1 * step
+    return schedule
+
+  # A resumed process builds the config anew: its function is another object,
+  # at another address, with the same name and meaning.
+  before = run_record.flat_config(make_config(lr_schedule=make_schedule(), checkpoint_dir="/a"))
+  after = run_record.flat_config(make_config(lr_schedule=make_schedule(), checkpoint_dir="/b",
+                                             strict_resume_config=True))
+  assert "lr_schedule" in before and " at 0x" not in before["lr_schedule"]
+  assert run_record.differences(before, after) == []
+  changed = run_record.flat_config(make_config(lr_schedule=print, checkpoint_dir="/a"))
+  assert [line.split(":")[0] for line in run_record.differences(before, changed)] == [
+      "lr_schedule"]
