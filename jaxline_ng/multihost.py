@@ -22,6 +22,7 @@ never complete.
 """
 
 import atexit
+import json
 import os
 import signal
 import sys
@@ -250,6 +251,40 @@ def key_value_try_get(key: str) -> str | None:
     if "NOT_FOUND" in str(e):
       return None
     raise
+
+
+# Each process's launch (mode and config), as `check_same_launch` publishes it.
+_LAUNCH_KEY = "jaxline_ng/launch/{}"
+
+
+def check_same_launch(launch: dict[str, Any]) -> None:
+  """Raises MultihostError naming the keys where this process's `launch` (JSON-safe
+  `{key: value}`: the mode, the flattened config) differs from process 0's.
+
+  Processes launched differently run different steps and collectives, and
+  would wait on each other until a runtime timeout with an error that names
+  nothing. Process 0 publishes its launch and goes on; each other process
+  compares, and gives up waiting when a failure is published (process 0's
+  own is then the news).
+  """
+  if not is_multiprocess():
+    return
+  published = json.dumps(launch, sort_keys=True)
+  if is_chief():
+    key_value_set(_LAUNCH_KEY.format(0), published)
+    return
+  chiefs = key_value_wait(_LAUNCH_KEY.format(0), give_up=lambda: published_failure() is not None)
+  if chiefs is None:
+    return
+  mine, chiefs = json.loads(published), json.loads(chiefs)  # Both as JSON reads them.
+  differing = [key for key in sorted(set(mine) | set(chiefs)) if mine.get(key) != chiefs.get(key)]
+  if differing:
+    shown = ", ".join(f"{key}={mine.get(key, '<absent>')!r} (process 0: "
+                      f"{chiefs.get(key, '<absent>')!r})" for key in differing[:3])
+    more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+    raise MultihostError(
+        f"process {jax.process_index()} was launched unlike process 0: {shown}{more}; every "
+        "process of a run takes the same mode and config")
 
 
 # Written by each process about to exit because a process failed.

@@ -105,3 +105,14 @@ def test_single_process_helpers_are_identities():
   assert multihost.broadcast_from_chief({"a": 1}) == {"a": 1}
   assert multihost.all_reduce_sum({"n": 3})["n"] == 3
   multihost.barrier("noop")
+
+
+def test_processes_launched_with_different_configs_stop_at_once_naming_the_key(tmp_path):
+  # Each process computes its own training_steps: 50 on process 0, 60 on process 1.
+  command = " ".join(toy(tmp_path, "--config.training_steps=$((50 + 10 * JAX_PROCESS_ID))"))
+  result = launch(["sh", "-c", f"exec {command}"], timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  assert ("[p1] jaxline_ng: error: process 1 was launched unlike process 0: "
+          "config.training_steps=60 (process 0: 50); every process of a run takes the same "
+          "mode and config") in result.stdout, result.stdout[-4000:]
+  assert not os.path.exists(tmp_path / "checkpoints" / "latest")  # Nothing trained.
