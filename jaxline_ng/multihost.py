@@ -63,6 +63,10 @@ class MultihostError(RuntimeError):
   one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
+# JAX's default: long enough for processes that a scheduler starts apart.
+_INITIALIZATION_TIMEOUT_SECS = 300
+
+
 def initialize_if_requested() -> bool:
   """Calls `jax.distributed.initialize` when the flags ask for a multi-process run.
 
@@ -80,9 +84,16 @@ def initialize_if_requested() -> bool:
       raise MultihostError(
           f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "
           "(or set $JAX_PROCESS_ID)")
+  # The wait for every process to join cannot fail early (a peer may start
+  # minutes late) and JAX's timeout aborts the process without a word: say
+  # what it waits for, so a process that never comes is found from this line.
+  logging.info("[jaxline_ng] Process %s of %s: joining at %s; JAX waits up to %d s for every "
+               "process, then aborts.", _PROCESS_ID.value, num_processes,
+               _COORDINATOR.value or "the detected cluster", _INITIALIZATION_TIMEOUT_SECS)
   try:
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=num_processes, process_id=_PROCESS_ID.value)
+                               num_processes=num_processes, process_id=_PROCESS_ID.value,
+                               initialization_timeout=_INITIALIZATION_TIMEOUT_SECS)
   except (RuntimeError, ValueError) as e:
     raise MultihostError(f"jax.distributed.initialize failed: {e}") from None
   logging.info("[jaxline_ng] Process %d of %d; %d local devices of %d.",
