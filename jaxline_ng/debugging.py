@@ -1,14 +1,16 @@
 """Debugging switches: running pmap/jit eagerly, and post-mortem on failure.
 
 Under `--jaxline_disable_pmap_jit` (alias `--disable_pmap_jit`) the loops run
-inside `jax.disable_jit()`. Since JAX 0.8 pmap is jit + shard_map, and under
-`disable_jit` it runs eagerly: a breakpoint inside a pmapped step, including
-pmaps built at import time or in the experiment's `__init__`, shows every
-device's concrete values (printing an array inside the pmap lists them per
-device). jaxline patched `jax.pmap` with chex's vmap fake instead, which only
-reached functions created inside its context and showed batch tracers.
-Functions compiled ahead of time (`jax.jit(f).lower(...).compile()`) cannot
-be made eager; the log says so when the switch is on.
+inside chex's `fake_pmap_and_jit`, as in jaxline, and `jax.disable_jit()`.
+chex replaces `jax.pmap` and `jax.jit` while the switch is on, so the pmaps
+and jits an experiment creates then (in `__init__`, as jaxline experiments
+do) become a vmap and a plain call: fast, and a breakpoint inside sees the
+devices' values batched (a vmap tracer; its `.val` holds them). chex cannot
+reach functions created before, such as pmaps built at import time; those run
+under `disable_jit` instead, op by op on every device, which shows each
+device's concrete values but is far slower. Functions compiled ahead of time
+(`jax.jit(f).lower(...).compile()`) cannot be made eager; the log says so
+when the switch is on.
 """
 
 import contextlib
@@ -38,10 +40,12 @@ def eager_if_requested():
   if not pmap_jit_disabled():
     yield
     return
+  import chex  # pylint: disable=import-outside-toplevel  (only debugging runs pay its import)
   logging.warning(
-      "[jaxline_ng] --jaxline_disable_pmap_jit: pmap and jit run eagerly (slow). "
-      "Functions compiled ahead of time with .lower().compile() still run compiled.")
-  with jax.disable_jit():
+      "[jaxline_ng] --jaxline_disable_pmap_jit: pmap and jit run eagerly (pmaps created "
+      "before the run, e.g. at import time, op by op: slow). Functions compiled ahead of time "
+      "with .lower().compile() still run compiled.")
+  with chex.fake_pmap_and_jit(), jax.disable_jit():
     yield
 
 

@@ -7,8 +7,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# An experiment whose pmap is built at import time (as published code does)
-# and whose jit is built in __init__; both report what they were handed.
+# An experiment with a pmap built at import time (as some published code does)
+# and a pmap and a jit built in __init__ (as most does); each reports what it
+# was handed.
 SCRIPT = '''
 import functools, sys
 import jax, jax.numpy as jnp
@@ -32,11 +33,14 @@ class Experiment(experiment.AbstractExperiment):
   def __init__(self, mode, init_rng):
     super().__init__(mode, init_rng)
     self._jitted = jax.jit(lambda x: (print("JIT_SEES", type(x).__name__, flush=True), x)[1])
+    self._pmapped = jax.pmap(
+        lambda x: (print("INIT_PMAP_SEES", type(x).__name__, flush=True), x)[1], axis_name="i")
     self._x = utils.bcast_local_devices(jnp.arange(3.0))
 
   def step(self, **unused):
     self._x = observe(self._x)
     self._jitted(jnp.ones(2))
+    self._pmapped(self._x)
     return {}
 
   def evaluate(self, **unused):
@@ -73,6 +77,11 @@ def test_disable_pmap_jit_runs_steps_eagerly(tmp_path):
     assert "[0. 1. 2.]" in pmap_lines[0] and "[1. 2. 3.]" in pmap_lines[1]
     jit_lines = [line for line in result.stdout.splitlines() if line.startswith("JIT_SEES")]
     assert jit_lines == ["JIT_SEES ArrayImpl"] * 2
+    # As in jaxline: a pmap created under the switch is chex's vmap, called
+    # every step, fast, its values batched in one tracer.
+    init_pmap_lines = [line for line in result.stdout.splitlines()
+                       if line.startswith("INIT_PMAP_SEES")]
+    assert init_pmap_lines == ["INIT_PMAP_SEES BatchTracer"] * 2
     assert "run eagerly" in result.stderr
 
 
