@@ -61,9 +61,10 @@ def _relay(stream, prefix: str, out, lock: threading.Lock, named_failures: list[
         named_failures.append(int(match.group(1)))
 
 
-def _stop(processes) -> None:
-  for process in processes:
+def _stop(processes, signalled: set[int]) -> None:
+  for index, process in enumerate(processes):
     if process.poll() is None:
+      signalled.add(index)
       process.send_signal(signal.SIGTERM)
   deadline = time.monotonic() + _STOP_GRACE_SECS
   for process in processes:
@@ -78,18 +79,30 @@ def _failed(code: int | None) -> bool:
   return code not in (None, 0, _EXIT_PREEMPTED)
 
 
-def _run_exit_code(processes, ended_at: dict[int, float],
-                   named_failures: tuple[int, ...] = ()) -> tuple[int, int | None]:
+def _run_exit_code(processes, ended_at: dict[int, float], named_failures: tuple[int, ...] = (),
+                   signalled: set[int] | None = None) -> tuple[int, int | None]:
   """The run's exit code, and the index of the process it blames (None if no failure).
 
   The process that failed first is the cause: the others exit with its code
-  when they learn of it, or are killed. The first process the logs name as
+  when they learn of it, or are killed. A process killed by a signal that
+  nobody in the run sent (an OOM kill, a crash), ending no later than any
+  process the logs name, is the cause: the peers that then fail name
+  themselves. The launcher's own signals are in `signalled` (None: unknown,
+  any death by signal may be the launcher's), and JAX aborts a process
+  (SIGABRT) whose peer is gone. Otherwise the first process the logs name as
   failed decides (peers exit within milliseconds of it, too close to tell
   apart by time); else the first to end, an error exit (code > 0) before a
   death by signal (code < 0), which may be a consequence.
   """
   failed = [i for i, p in enumerate(processes) if _failed(p.returncode)]
   named = [i for i in named_failures if i in failed]
+  if signalled is not None:
+    killed = [i for i in failed if processes[i].returncode < 0 and i not in signalled
+              and processes[i].returncode != -signal.SIGABRT]
+    if killed:
+      first = min(killed, key=lambda i: (ended_at[i], i))
+      if all(ended_at[first] <= ended_at[i] for i in named):
+        return processes[first].returncode, first
   if named:
     return processes[named[0]].returncode, named[0]
   if failed:
@@ -107,6 +120,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
   lock = threading.Lock()
   processes, relays = [], []
   named_failures: list[int] = []  # Process indices, in the order the logs name them failed.
+  signalled: set[int] = set()  # Processes the launcher sent a signal.
   for index in range(num_processes):
     env = dict(os.environ,
                JAX_COORDINATOR_ADDRESS=address,
@@ -138,8 +152,9 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     with lock:
       print(f"[launch] {signal.Signals(signum).name}: passing it on to every process as SIGTERM",
             flush=True)
-    for process in processes:
+    for index, process in enumerate(processes):
       if process.poll() is None:
+        signalled.add(index)
         process.send_signal(signal.SIGTERM)
 
   previous_handlers = {signum: signal.signal(signum, pass_on)
@@ -158,7 +173,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
           with lock:
             print(f"[launch] processes still running {patience:g}s after one ended; "
                   "stopping them", flush=True)
-          _stop(processes)
+          _stop(processes, signalled)
           break
       time.sleep(0.05)
   finally:
@@ -168,7 +183,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     ended_at.setdefault(index, time.monotonic())
   for relay in relays:  # Their last lines may name the failed process.
     relay.join(timeout=5)
-  exit_code, blamed = _run_exit_code(processes, ended_at, tuple(named_failures))
+  exit_code, blamed = _run_exit_code(processes, ended_at, tuple(named_failures), signalled)
   with lock:
     print("[launch] exit codes: " + ", ".join(
         f"process {i}: {p.returncode}" for i, p in enumerate(processes)), flush=True)

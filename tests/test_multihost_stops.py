@@ -257,6 +257,24 @@ class _Ended:
     self.returncode = returncode
 
 
+@pytest.mark.parametrize("codes, ended_at, named, signalled, expected", [
+    # Killed from outside first (OOM); its peer then logged its own failure.
+    ([1, -9], [15, 0], (0,), set(), (-9, 1)),
+    # The same kill, sent by the launcher to stop a process: the named failure is the cause.
+    ([1, -9], [15, 0], (0,), {1}, (1, 0)),
+    # JAX aborts a process whose peer is gone: a consequence, not the cause.
+    ([1, -6], [1, 0], (0,), set(), (1, 0)),
+    # A crash after the named failure was its consequence.
+    ([1, -11], [0, 2], (0,), set(), (1, 0)),
+])
+def test_the_launcher_blames_a_process_killed_from_outside(codes, ended_at, named, signalled,
+                                                           expected):
+  from jaxline_ng import launch as launch_lib  # pylint: disable=import-outside-toplevel
+  processes = [_Ended(code) for code in codes]
+  assert launch_lib._run_exit_code(  # pylint: disable=protected-access
+      processes, dict(enumerate(ended_at)), named, signalled) == expected
+
+
 @pytest.mark.parametrize("codes, ended_at, named, expected", [
     ([75, 75], [0, 1], (), (75, None)),  # Stopped on request.
     ([0, 0], [0, 1], (), (0, None)),
