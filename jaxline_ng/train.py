@@ -328,10 +328,10 @@ def train(experiment_class, config, checkpointer, writer,
     _check_resumed_config(getattr(state, "run_config", None), run_config,
                           config.strict_resume_config)
   state.run_config = run_config
-  if (writer is not None and hasattr(writer, "resume")
-      and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)):
+  if writer is not None and hasattr(writer, "resume"):
     # Rows an interrupted run wrote past its last checkpoint are redone from
-    # here: the old ones go, in metrics.jsonl and TensorBoard alike.
+    # here: the old ones go, in metrics.jsonl and TensorBoard alike (an
+    # earlier run's, when there is no checkpoint, are set aside).
     writer.resume(state.global_step)
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from absl import logging
 
 from jaxline_ng import background
 
@@ -393,6 +394,11 @@ class JsonlWriter:
       keep -= 1
     if keep == len(lines):
       return
+    if global_step == 0:
+      # No checkpoint to resume from: these rows are an earlier run's (its
+      # checkpoints deleted, or never durable). Kept beside, never dropped.
+      self._set_aside(len(lines))
+      return
     kept = lines[:keep]
     temporary = self._path + ".resume"
     with open(temporary, "wb") as f:
@@ -403,6 +409,16 @@ class JsonlWriter:
       self._file.close()
       self._file = None
     os.replace(temporary, self._path)
+
+  def _set_aside(self, rows: int) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    aside = f"{self._path}.{time.strftime('%Y%m%dT%H%M%S')}"
+    os.replace(self._path, aside)
+    logging.warning("[jaxline_ng] %s held %d rows of an earlier run but there is no checkpoint "
+                    "to resume it from: training starts at step 0, and those rows are now in %s.",
+                    self._path, rows, aside)
 
   def close(self) -> None:
     if self._closed:

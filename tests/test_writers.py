@@ -559,6 +559,21 @@ def test_jsonl_resume_drops_rows_past_the_step_and_a_torn_line_keeping_the_rest(
   assert path.read_bytes() == kept + b'{"step": 3, "loss": 0.125}\n'
 
 
+def test_a_start_from_step_0_sets_an_earlier_runs_rows_aside(tmp_path, caplog):
+  # Its checkpoints were deleted, or never durable: nothing resumes those rows.
+  path = tmp_path / "metrics.jsonl"
+  earlier = b'{"step": 10, "loss": 0.5}\n{"step": 20, "loss": 0.25}\n'
+  path.write_bytes(earlier)
+  writer = writers.JsonlWriter(str(path))
+  writer.resume(0)
+  writer.write_scalars(1, {"loss": 2.0})
+  writer.close()
+  assert path.read_bytes() == b'{"step": 1, "loss": 2.0}\n'
+  aside = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.")]
+  assert len(aside) == 1 and aside[0].read_bytes() == earlier
+  assert "held 2 rows of an earlier run" in caplog.text and str(aside[0]) in caplog.text
+
+
 def test_async_resume_runs_before_the_writes_after_it(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_bytes(b'{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n')
