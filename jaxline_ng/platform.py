@@ -88,8 +88,12 @@ def _report_config_errors_in_one_line(config_flag) -> None:
       raise flags.IllegalFlagValueError(f"config file {path!r} is not readable")
     try:
       return parse(argument)
-    except flags.Error:
-      raise
+    except flags.Error as e:
+      # `get_config(arg)` raising comes back as a flag error holding the traceback.
+      if "Traceback (most recent call last)" not in str(e):
+        raise
+      raise flags.IllegalFlagValueError(
+          f"loading {argument!r} failed: {str(e).strip().splitlines()[-1].strip()}") from None
     except SyntaxError as e:
       raise flags.IllegalFlagValueError(
           f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None

@@ -60,6 +60,9 @@ def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
 
 @pytest.mark.parametrize("args,culprit", [
     (["--config=missing.py"], "config file 'missing.py' does not exist"),
+    (["--config=examples/digits/experiment.py:bogus"],
+     "loading 'examples/digits/experiment.py:bogus' failed: ValueError: unknown config argument "
+     "'bogus'"),
     ([f"--config={TOY}", "--config.no_such_key=3"], "--config.no_such_key"),
     ([f"--config={TOY}", "--config.training_steps=many"], "--config.training_steps=many"),
     ([f"--config={TOY}", "--jaxline_mode=fly"], "--jaxline_mode='fly'"),
