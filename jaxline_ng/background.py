@@ -176,7 +176,10 @@ def _run(name: str, errors: list[BaseException], future: concurrent.futures.Futu
     future.set_result(fn(*args, **kwargs))
   except BaseException as e:
     errors.append(e)
-    logging.exception("[jaxline_ng] Error in background thread %s.", name)
+    if getattr(e, "one_line", False):  # Its message says it all (a full disk, bad input).
+      logging.error("[jaxline_ng] Error in background thread %s: %s", name, e)
+    else:
+      logging.exception("[jaxline_ng] Error in background thread %s.", name)
     future.set_exception(e)
 
 

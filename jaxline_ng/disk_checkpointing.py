@@ -75,6 +75,11 @@ class UnusableCheckpoint(ValueError):
   """A checkpoint that is damaged or does not fit the experiment; names what."""
 
 
+class CheckpointWriteError(OSError):
+  """The filesystem refused a save (full, read-only, gone); names the directory."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
+
+
 class CheckpointRefused(base_config.ConfigError):
   """No checkpoint of a series can be resumed from; the message says why."""
 
@@ -701,10 +706,15 @@ class DiskCheckpointer:
         # saving alone hands it its own (pmap-mode) arrays as host copies.
         local = jax.process_count() > 1 and not self.every_process_saves
         items[_STATE_ITEM] = ocp.args.StandardSave(jax.device_get(tree) if local else tree)
-      if not manager.save(step, args=ocp.args.Composite(**items)):
+      try:
+        saved = manager.save(step, args=ocp.args.Composite(**items))
+        manager.wait_until_finished()
+      except OSError as e:
+        raise CheckpointWriteError(e.errno, f"cannot save step {step} in {series_dir}: "
+                                   f"{e.strerror or e}") from e
+      if not saved:
         raise RuntimeError(f"orbax did not save step {step} in {series_dir} (it holds step "
                            f"{latest}): move the newer step directories away to save there")
-      manager.wait_until_finished()
       logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step, series_dir)
 
     self._saves.submit(write)

@@ -26,7 +26,6 @@ from jaxline_ng import (
   base_config,
   checkpointing,
   debugging,
-  guards,
   multihost,
   preemption,
   run_lock,
@@ -342,17 +341,18 @@ def main(experiment_class, argv: Sequence[str],
     sigterm_to_jax = multihost.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
     with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
-  except (base_config.ConfigError, guards.NonFiniteError, multihost.MultihostError,
-          train.ScalarsError, run_lock.RunLockError) as e:
-    if multihost.is_multiprocess():
-      print(f"jaxline_ng: error: {e}", file=sys.stderr)
-      _exit_now_on_failure(f"{type(e).__name__}: {e}", with_traceback=False)
-    raise SystemExit(f"jaxline_ng: error: {e}") from None
   except preemption.Preempted:
     raise SystemExit(preemption.EXIT_PREEMPTED) from None
   except Exception as e:  # pylint: disable=broad-except
+    # Errors whose message says it all (bad input, a non-finite scalar, a
+    # full disk) mark themselves `one_line`; anything else keeps its traceback.
+    one_line = getattr(e, "one_line", False)
     if multihost.is_multiprocess():
-      _exit_now_on_failure(f"{type(e).__name__}: {e}")
+      if one_line:
+        print(f"jaxline_ng: error: {e}", file=sys.stderr)
+      _exit_now_on_failure(f"{type(e).__name__}: {e}", with_traceback=not one_line)
+    if one_line:
+      raise SystemExit(f"jaxline_ng: error: {e}") from None
     raise
 
 

@@ -393,3 +393,19 @@ def test_training_refuses_state_it_cannot_rebuild_rather_than_start_it_afresh(tm
                            r"None there"):
     _train(BuiltFromLocalClass, disk_config(tmp_path, 6))
   assert series_steps(tmp_path) == [2, 4]  # Nothing was moved aside or overwritten.
+
+
+def test_a_full_disk_stops_training_with_one_line_naming_the_directory(tmp_path, monkeypatch):
+  run(disk_config(tmp_path, 2))
+
+  def no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(disk_checkpointing._CheckpointManager, "save", no_space)  # pylint: disable=protected-access
+  with pytest.raises(disk_checkpointing.CheckpointWriteError) as raised:
+    run(disk_config(tmp_path, 6))
+  series = os.path.join(tmp_path, "checkpoints", "latest")
+  assert str(raised.value) == (f"[Errno 28] cannot save step 4 in {series}: "
+                               "No space left on device")
+  assert raised.value.one_line  # The platform prints it as one line, exit 1.
+  assert series_steps(tmp_path) == [2]  # The checkpoint before it is intact.
