@@ -31,6 +31,7 @@ reported and the one before it used; the training job then moves the bad
 one aside (kept, under `<series>.unusable/`) so later saves go past its step.
 """
 
+import collections
 import hashlib
 import json
 import logging as python_logging
@@ -113,6 +114,8 @@ def _skeleton(value: Any) -> Any:
     if isinstance(node, dict):
       if not all(isinstance(k, str) for k in node):
         raise TypeError
+      if isinstance(node, collections.OrderedDict):  # JAX keeps its order; a dict's, sorted.
+        return {"ordered_dict": [[k, describe(v)] for k, v in node.items()]}
       return {"dict": {k: describe(node[k]) for k in sorted(node)}}
     if type(node) in (list, tuple):
       return {type(node).__name__: [describe(v) for v in node]}
@@ -157,6 +160,8 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
     return leaves[skeleton["leaf"]]
   if "dict" in skeleton:
     return {k: _rebuild(v, leaves) for k, v in skeleton["dict"].items()}
+  if "ordered_dict" in skeleton:
+    return collections.OrderedDict((k, _rebuild(v, leaves)) for k, v in skeleton["ordered_dict"])
   if "list" in skeleton:
     return [_rebuild(v, leaves) for v in skeleton["list"]]
   return tuple(_rebuild(v, leaves) for v in skeleton["tuple"])
@@ -166,7 +171,8 @@ def _names_classes(skeleton: Any) -> bool:
   """Whether `skeleton` has a NamedTuple, whose class only the experiment's program has."""
   if "namedtuple" in skeleton:
     return True
-  children = skeleton.get("list") or skeleton.get("tuple") or skeleton.get("dict", {}).values()
+  children = (skeleton.get("list") or skeleton.get("tuple") or skeleton.get("dict", {}).values()
+              or [child for _, child in skeleton.get("ordered_dict", ())])
   return any(_names_classes(child) for child in children)
 
 

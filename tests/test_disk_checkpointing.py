@@ -409,3 +409,35 @@ def test_a_full_disk_stops_training_with_one_line_naming_the_directory(tmp_path,
                                "No space left on device")
   assert raised.value.one_line  # The platform prints it as one line, exit 1.
   assert series_steps(tmp_path) == [2]  # The checkpoint before it is intact.
+
+
+class OrderedStatsBuiltInFirstStep(experiment.AbstractExperiment):
+  """State in an OrderedDict, whose keys JAX flattens in insertion order, not sorted."""
+  CHECKPOINT_ATTRS = {"_stats": "stats"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._stats = None
+    self._update = jax.pmap(lambda stats: collections.OrderedDict(
+        [("steps", stats["steps"] + 1.0), ("loss_sum", stats["loss_sum"] + 100.0)]),
+                            axis_name="i")
+
+  def step(self, **unused):
+    if self._stats is None:
+      self._stats = utils.bcast_local_devices(collections.OrderedDict(
+          [("steps", jnp.zeros(())), ("loss_sum", jnp.zeros(()))]))
+    self._stats = self._update(self._stats)
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+def test_an_ordered_dict_resumes_key_for_key(tmp_path):
+  _train(OrderedStatsBuiltInFirstStep, disk_config(tmp_path, 2))
+  stats = utils.get_first(_train(OrderedStatsBuiltInFirstStep, disk_config(tmp_path, 4))._stats)  # pylint: disable=protected-access
+  assert isinstance(stats, collections.OrderedDict)
+  assert {name: float(value) for name, value in stats.items()} == {"steps": 4, "loss_sum": 400}
+  _, nest = disk_checkpointing.read(str(tmp_path), step=2)
+  assert {name: float(value) for name, value in nest["experiment_module"]["stats"].items()} == {
+      "steps": 2, "loss_sum": 200}
