@@ -288,7 +288,9 @@ def check_same_launch(launch: dict[str, Any]) -> None:
   if chiefs is None:
     return
   mine, chiefs = json.loads(published), json.loads(chiefs)  # Both as JSON reads them.
-  differing = [key for key in sorted(set(mine) | set(chiefs)) if mine.get(key) != chiefs.get(key)]
+  # Compared as JSON text, so that NaN equals NaN.
+  differing = [key for key in sorted(set(mine) | set(chiefs))
+               if json.dumps(mine.get(key)) != json.dumps(chiefs.get(key))]
   if differing:
     shown = ", ".join(f"{key}={mine.get(key, '<absent>')!r} (process 0: "
                       f"{chiefs.get(key, '<absent>')!r})" for key in differing[:3])

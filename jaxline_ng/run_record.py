@@ -43,6 +43,8 @@ def flat_config(config) -> dict[str, Any]:
       json.dumps(node)
       flat[prefix] = node
     except (TypeError, ValueError):
+      if isinstance(node, (set, frozenset)):  # Its order varies with each process's hash seed.
+        node = sorted(node, key=repr)
       flat[prefix] = _ADDRESS.sub("", repr(node))
 
   visit("", config.to_dict() if hasattr(config, "to_dict") else config)
@@ -91,12 +93,17 @@ def write(config, mode: str, logdir: str) -> str:
   return path
 
 
+def same_value(a: Any, b: Any) -> bool:
+  """Whether two values of `flat_config` are equal, NaN to NaN too (as JSON writes them)."""
+  return json.dumps(a) == json.dumps(b)
+
+
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   """Lines `key: saved -> current` for every key whose value differs (but the run's location
   and `strict_resume_config`)."""
   lines = []
   for key in sorted((set(saved) | set(current)) - _NOT_COMPARED):
     before, after = saved.get(key, "<absent>"), current.get(key, "<absent>")
-    if before != after:
+    if not same_value(before, after):
       lines.append(f"{key}: {before!r} -> {after!r}")
   return lines

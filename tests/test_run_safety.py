@@ -283,3 +283,18 @@ def test_an_unchanged_config_is_no_difference_whatever_it_holds():
   changed = run_record.flat_config(make_config(lr_schedule=print, checkpoint_dir="/a"))
   assert [line.split(":")[0] for line in run_record.differences(before, changed)] == [
       "lr_schedule"]
+
+
+def test_equal_sets_and_nans_are_no_difference():
+  # A set iterates in an order its insertions (and, for strings, the
+  # process's hash seed) decide; NaN is not equal to itself.
+  first, second = {1}, {9}
+  first.add(9)
+  second.add(1)
+  assert repr(first) != repr(second)
+  before = run_record.flat_config(make_config(splits=first, clip=float("nan")))
+  after = run_record.flat_config(make_config(splits=second, clip=float("nan")))
+  assert run_record.differences(before, after) == []
+  changed = run_record.flat_config(make_config(splits={1, 8}, clip=1.0))
+  assert [line.split(":")[0] for line in run_record.differences(before, changed)] == [
+      "clip", "splits"]
