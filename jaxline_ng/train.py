@@ -655,6 +655,11 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
         "--jaxline_mode=train_eval_multithreaded with config.placement='mesh' over "
         f"{jax.process_count()} processes: the evaluator's collectives would interleave with "
         "training's and hang; run --jaxline_mode=eval as a job of its own beside training")
+  if (eval_writer is not None and hasattr(eval_writer, "resume")
+      and not checkpointer.can_be_restored("latest")):
+    # Training starts at step 0 (`train` sets its own writer's earlier rows
+    # aside): so do the evaluator's, before it can write.
+    eval_writer.resume(0)
   training_errors: list[BaseException] = []
 
   def run_training():

@@ -1,5 +1,6 @@
 """The training loop: what `step` sees, what is checkpointed, what is logged."""
 
+import json
 import threading
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxline_ng import base_config, checkpointing, experiment, rng, train, utils
+from jaxline_ng import base_config, checkpointing, experiment, rng, train, utils, writers
 
 
 def make_config(**overrides):
@@ -304,6 +305,26 @@ def test_multithreaded_constructs_eval_experiment_with_its_mode():
   assert sorted(ModeRecording.modes) == ["train", "train_eval_multithreaded"]
   # The evaluator ends on the final checkpoint.
   assert eval_writer.scalars[-1] == (4, {"count": 4})
+
+
+def test_a_multithreaded_rerun_from_step_0_sets_both_writers_earlier_rows_aside(tmp_path):
+  # A rerun whose checkpoints are gone (here: in memory, a new process).
+  config = make_config(training_steps=4, save_checkpoint_interval=2, log_train_data_interval=1)
+  logs = {mode: tmp_path / mode / "metrics.jsonl" for mode in ("train", "eval")}
+  earlier = {mode: b'{"step": 4, "count": 4}\n' for mode in logs}
+  for mode, path in logs.items():
+    path.parent.mkdir()
+    path.write_bytes(earlier[mode])
+  writers_ = {mode: writers.JsonlWriter(str(path)) for mode, path in logs.items()}
+  train.train_eval_multithreaded(ModeRecording, config,
+                                 checkpointing.InMemoryCheckpointer(config, "train"),
+                                 writers_["train"], eval_writer=writers_["eval"])
+  for mode, path in logs.items():
+    writers_[mode].close()
+    aside = [p for p in path.parent.iterdir() if p.name.startswith("metrics.jsonl.")]
+    assert [p.read_bytes() for p in aside] == [earlier[mode]], mode
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 4, (mode, steps)  # No duplicates.
 
 
 class RacingCheckpointer:
