@@ -386,10 +386,11 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
   afresh in its first step and train from fresh weights at the saved step.
   """
   live_treedef = None if live is None else jax.tree.structure(live)
+  missing_class = None
   try:
     value = None if entry["skeleton"] is None else _rebuild(entry["skeleton"], leaves)
-  except _NotImported:
-    value = None
+  except _NotImported as e:
+    value, missing_class = None, e.args[0]
   if value is not None or entry["skeleton"] == {"none": True}:
     # Same leaves, other node types (a class the skeleton cannot name): take the live ones.
     if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
@@ -400,10 +401,12 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
     return jax.tree.unflatten(live_treedef, leaves)
   if live is None and name.startswith(_MODULE_PREFIX):
     if training:
+      why = (f"its NamedTuple class {missing_class} is not imported (or has other fields)"
+             if missing_class else "its type is not a dict, list, tuple or NamedTuple")
       raise CheckpointRefused(
           f"checkpoint entry {name} cannot be restored: the experiment holds None there and "
-          "the saved value is not made of dicts, lists, tuples and imported NamedTuples; "
-          "create it in __init__ so that training resumes it rather than starting it afresh")
+          f"{why}; create it in __init__ so that training resumes it rather than starting it "
+          "afresh")
     logging.warning("[jaxline_ng] Checkpoint entry %s is not restored: the experiment holds "
                     "None there (build it in __init__ to restore it).", name)
     return None

@@ -390,7 +390,8 @@ def test_training_refuses_state_it_cannot_rebuild_rather_than_start_it_afresh(tm
   _train(BuiltFromLocalClass, disk_config(tmp_path, 4))
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"experiment_module/moments cannot be restored: the experiment holds "
-                           r"None there"):
+                           r"None there and its NamedTuple class \S+:LocalMoments is not "
+                           r"imported"):
     _train(BuiltFromLocalClass, disk_config(tmp_path, 6))
   assert series_steps(tmp_path) == [2, 4]  # Nothing was moved aside or overwritten.
 
