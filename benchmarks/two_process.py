@@ -4,9 +4,9 @@
 
 Launches the toy experiment (tests/experiments/toy.py) as 2 processes x 2
 fake CPU devices through `jaxline_ng.launch`, `--steps` steps with progress
-logged every 1,000 and no checkpoints, `--runs` times; prints the steps/s of
-each 1,000-step window after the first (compilation and warm-up) and their
-median. Run it on two trees (e.g. a `git worktree` of the commit before) to
+logged every `--window` steps (1,000) and no checkpoints, `--runs` times;
+prints the steps/s of each window after the first (compilation and warm-up)
+and their median. Run it on two trees (e.g. a `git worktree` of the commit before) to
 compare.
 """
 
@@ -22,15 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
 
 
-def one_run(steps: int) -> list[float]:
-  """Process 0's steps/s over each 1,000-step window after the first (the
-  first progress line, after compilation, has no rate)."""
+def one_run(steps: int, window: int) -> list[float]:
+  """Process 0's steps/s over each `window` steps after the first (the first
+  progress line, after compilation, has no rate)."""
   with tempfile.TemporaryDirectory() as checkpoint_dir:
     result = subprocess.run(
         [sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2", "--devices_per_process=2",
          "--", sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
          "--config.checkpointer=memory", f"--config.training_steps={steps}",
-         "--config.log_tensors_interval=1000", "--config.log_train_data_interval=1000",
+         f"--config.log_tensors_interval={window}",
+         f"--config.log_train_data_interval={window}",
          f"--config.save_checkpoint_interval={10 * steps}"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
         capture_output=True, text=True, timeout=600, check=True)
@@ -43,10 +44,11 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--runs", type=int, default=3)
   parser.add_argument("--steps", type=int, default=4000)
+  parser.add_argument("--window", type=int, default=1000, help="steps per measured window")
   args = parser.parse_args(argv)
   windows = []
   for run in range(args.runs):
-    rates = one_run(args.steps)
+    rates = one_run(args.steps, args.window)
     print(f"run {run + 1}: " + " ".join(f"{rate:.0f}" for rate in rates), flush=True)
     windows.extend(rates)
   print(f"median steps/s over {len(windows)} windows: {statistics.median(windows):.0f}")
