@@ -28,9 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
 STEPS = 300
-# Paces the interrupted runs: 300 steps take 6 s or more, so a signal sent
-# after step 30 lands mid-run.
-PACED = "--config.experiment_kwargs.config.step_sleep_secs=0.02"
+# Paces the interrupted runs: 300 steps take 3 s or more, so a signal sent
+# after step 30 (or a second one 0.5 s later) lands mid-run.
+PACED = "--config.experiment_kwargs.config.step_sleep_secs=0.01"
 TIMEOUT_SECS = 150
 
 
