@@ -11,6 +11,7 @@ checkpoints; a separate multi-process eval job in mesh mode stops in every
 process when one is signalled. Each run has a timeout.
 """
 
+import fcntl
 import os
 import re
 import signal
@@ -117,11 +118,22 @@ def latest(checkpoint_dir) -> tuple[int, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-  """The final parameters of a 2-process run of all the steps, never stopped."""
-  run_dir = tmp_path_factory.mktemp("uninterrupted")
-  launch = run(toy(run_dir))
-  assert launch.process.returncode == 0, launch.output
+def uninterrupted(tmp_path_factory, worker_id):
+  """The final parameters of a 2-process run of all the steps, never stopped.
+
+  Under pytest-xdist the workers share one such run (in the session's
+  directory, which they have in common) instead of each making its own: it
+  is the longest part of this module, and the suite has 5 minutes.
+  """
+  shared = worker_id != "master"
+  root = tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.mktemp("ref")
+  run_dir = root / "uninterrupted"
+  with open(root / "uninterrupted.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
+    if not (root / "uninterrupted.done").exists():
+      launch = run(toy(run_dir))
+      assert launch.process.returncode == 0, launch.output
+      (root / "uninterrupted.done").touch()
   step, params = latest(run_dir)
   assert step == STEPS
   return params
