@@ -331,8 +331,10 @@ def main(experiment_class, argv: Sequence[str],
     base_config.validate_config(config)
     _make_checkpoint_dir_absolute(config)
     check_mode(mode)
-    multihost.check_same_launch({"--jaxline_mode": mode, **{
-        f"config.{key}": value for key, value in run_record.flat_config(config).items()}})
+    # JAX takes process 0's count when others give another: a wrong count is named too.
+    multihost.check_same_launch({
+        "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
+        **{f"config.{key}": value for key, value in run_record.flat_config(config).items()}})
     check_tpu_flags()
     enable_compilation_cache(config)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)

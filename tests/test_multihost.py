@@ -116,3 +116,11 @@ def test_processes_launched_with_different_configs_stop_at_once_naming_the_key(t
           "config.training_steps=60 (process 0: 50); every process of a run takes the same "
           "mode and config") in result.stdout, result.stdout[-4000:]
   assert not os.path.exists(tmp_path / "checkpoints" / "latest")  # Nothing trained.
+
+
+def test_a_process_given_another_process_count_stops_at_once_naming_the_flag(tmp_path):
+  command = " ".join(toy(tmp_path, "--jaxline_num_processes=$((2 + JAX_PROCESS_ID))"))
+  result = launch(["sh", "-c", f"exec {command}"], timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  assert ("[p1] jaxline_ng: error: process 1 was launched unlike process 0: "
+          "--jaxline_num_processes=3 (process 0: 2)") in result.stdout, result.stdout[-4000:]
