@@ -767,8 +767,7 @@ class DiskCheckpointer:
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)
     # The experiment's own mode: train_eval_multithreaded's evaluator shares this checkpointer.
-    training = getattr(state, "experiment_module", None) is not None and \
-        getattr(state.experiment_module, "mode", self._mode) == "train"
+    training = getattr(getattr(state, "experiment_module", None), "mode", self._mode) == "train"
     failures = []
     for candidate in candidates:
       try:

@@ -36,6 +36,8 @@ import numpy as np
 from absl import flags, logging
 from jax.experimental import multihost_utils
 
+from jaxline_ng import run_record
+
 
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
@@ -288,9 +290,8 @@ def check_same_launch(launch: dict[str, Any]) -> None:
   if chiefs is None:
     return
   mine, chiefs = json.loads(published), json.loads(chiefs)  # Both as JSON reads them.
-  # Compared as JSON text, so that NaN equals NaN.
   differing = [key for key in sorted(set(mine) | set(chiefs))
-               if json.dumps(mine.get(key)) != json.dumps(chiefs.get(key))]
+               if not run_record.same_value(mine.get(key), chiefs.get(key))]
   if differing:
     shown = ", ".join(f"{key}={mine.get(key, '<absent>')!r} (process 0: "
                       f"{chiefs.get(key, '<absent>')!r})" for key in differing[:3])
