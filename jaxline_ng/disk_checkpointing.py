@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging as python_logging
 import os
+import re
 import sys
 import threading
 import time
@@ -79,6 +80,19 @@ class UnusableCheckpoint(ValueError):
 class CheckpointWriteError(OSError):
   """The filesystem refused a save (full, read-only, gone); names the directory."""
   one_line = True  # Reported as one line naming the culprit, not a traceback.
+
+
+# How TensorStore, which writes orbax's arrays, names the OS error behind a
+# failed write in the ValueError it raises: "... [os_error_code='28']".
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+def _os_error_code(error: Exception) -> int | None:
+  """The errno behind a failed save: an OSError's, or the one TensorStore's message names."""
+  if isinstance(error, OSError):
+    return error.errno
+  found = _OS_ERROR_CODE.search(str(error))
+  return int(found.group(1)) if found else None
 
 
 class CheckpointRefused(base_config.ConfigError):
@@ -718,9 +732,13 @@ class DiskCheckpointer:
       try:
         saved = manager.save(step, args=ocp.args.Composite(**items))
         manager.wait_until_finished()
-      except OSError as e:
-        raise CheckpointWriteError(e.errno, f"cannot save step {step} in {series_dir}: "
-                                   f"{e.strerror or e}") from e
+      except (OSError, ValueError) as e:
+        code = _os_error_code(e)
+        if code is None and not isinstance(e, OSError):
+          raise  # Not the filesystem: a bug to see whole.
+        reason = os.strerror(code) if code else e
+        raise CheckpointWriteError(code, f"cannot save step {step} in {series_dir}: "
+                                   f"{reason}") from e
       if not saved:
         raise RuntimeError(f"orbax did not save step {step} in {series_dir} (it holds step "
                            f"{latest}): move the newer step directories away to save there")

@@ -396,11 +396,19 @@ def test_training_refuses_state_it_cannot_rebuild_rather_than_start_it_afresh(tm
   assert series_steps(tmp_path) == [2, 4]  # Nothing was moved aside or overwritten.
 
 
-def test_a_full_disk_stops_training_with_one_line_naming_the_directory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device"),
+    # What TensorStore, orbax's array writer, raises on a full tmpfs.
+    ValueError('RESOURCE_EXHAUSTED: Error writing "experiment_module.params/0" in OCDBT '
+               'database at local file "/x/": Failed to write 113 bytes to file 9: No space '
+               "left on device [os_error_code='28']"),
+])
+def test_a_full_disk_stops_training_with_one_line_naming_the_directory(tmp_path, monkeypatch,
+                                                                      error):
   run(disk_config(tmp_path, 2))
 
   def no_space(*args, **kwargs):
-    raise OSError(28, "No space left on device")
+    raise error
 
   monkeypatch.setattr(disk_checkpointing._CheckpointManager, "save", no_space)  # pylint: disable=protected-access
   with pytest.raises(disk_checkpointing.CheckpointWriteError) as raised:
