@@ -71,6 +71,7 @@ def _drop_orbax_info(record: python_logging.LogRecord) -> bool:
 
 class CheckpointFormatError(TypeError):
   """A snapshot value that cannot be stored without pickle; names the entry."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 class UnusableCheckpoint(ValueError):
@@ -223,6 +224,11 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
   for name, value in _named_entries(nest).items():
     leaves = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+      if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+        raise CheckpointFormatError(
+            f"cannot checkpoint {_entry_name(name, path)}: it is a typed PRNG key array "
+            f"({leaf.dtype}); keep jax.random.key_data(key) in the state and rebuild the "
+            "key with jax.random.wrap_key_data")
       if _is_array(leaf):
         tree_path = [*name.split("/"), *(_key_name(key) for key in path)]
         node = tree

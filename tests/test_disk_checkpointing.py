@@ -111,6 +111,22 @@ def test_unstorable_value_fails_at_first_save_naming_it(tmp_path):
     train.train(Unstorable, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
+def test_typed_prng_key_fails_at_first_save_in_one_line_naming_it(tmp_path):
+
+  class TypedKey(Rich):
+    NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_key": "key"}
+
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._key = jax.random.key(0)
+
+  config = disk_config(tmp_path, 3)
+  with pytest.raises(disk_checkpointing.CheckpointFormatError,
+                     match=r"experiment_module/key: it is a typed PRNG key array") as raised:
+    train.train(TypedKey, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+  assert raised.value.one_line
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
   run(disk_config(tmp_path, 6))
   newest = os.path.join(tmp_path, "checkpoints", "latest", "6")
