@@ -15,7 +15,9 @@ fetches (`observe`, from the logging thread) and the newest step's scalars
 before every save (`seal`). Meanwhile it keeps a reference to each step's
 scalars since the last finite check, so when a check finds a non-finite
 value it reads those steps and names the first bad one. A non-finite value
-that is gone again by the next check (the state recovered) is not reported.
+that neither logging nor a check read (gone again by the next check) is not
+reported; one that logging read always is, even if a check passed a later
+step first.
 
 Checking every step instead (a device reduction of its scalars, or a host
 read of each) would cost every step a dispatch or a wait for the devices;
@@ -81,7 +83,9 @@ class NonFiniteGuard:
     self._policy = policy
     self._unchecked: collections.deque[tuple[int, Any]] = collections.deque()
     self._lock = threading.Lock()  # Uncontended on the loop's thread: ~0.1 us.
-    self._bad_seen_at: int | None = None  # A step an observer saw non-finite.
+    # The earliest step an observer saw non-finite, and the names it saw, until
+    # the loop's thread reports it; steps from it on are not forgotten meanwhile.
+    self._bad_seen: tuple[int, list[str]] | None = None
     self._failure: NonFiniteError | None = None
     self._failed_step: int | None = None
     self._newest_step = -1  # For `verdict_through`, on another thread.
@@ -99,8 +103,8 @@ class NonFiniteGuard:
     with self._lock:
       self._unchecked.append((step, scalars))
       backlog = len(self._unchecked)
-    if self._bad_seen_at is not None:
-      self._find_first_bad(self._bad_seen_at)
+    if self._bad_seen is not None:
+      self._find_first_bad()
     elif backlog >= MAX_UNCHECKED:
       self.check()
 
@@ -108,10 +112,13 @@ class NonFiniteGuard:
     """Takes scalars of `step` that were copied to the host anyway (for logging)."""
     if self._policy == "off":
       return
-    if non_finite_names(host_scalars):
-      self._bad_seen_at = step  # The loop's thread looks for the first bad step.
-    else:
+    bad = non_finite_names(host_scalars)
+    if not bad:
       self._forget_up_to(step)
+      return
+    with self._lock:  # The loop's thread looks for the first bad step.
+      if self._bad_seen is None or step < self._bad_seen[0]:
+        self._bad_seen = (step, bad)
 
   def seal(self, then: Callable[[], None] | None = None) -> "SealedCheck":
     """A check of every step so far, to run before saving them (on any thread).
@@ -122,6 +129,8 @@ class NonFiniteGuard:
     If it passes, it runs `then` (the other processes' checks), which may
     veto the save by raising.
     """
+    if self._bad_seen is not None:  # Logging saw one since the loop last looked.
+      self._find_first_bad()
     with self._lock:
       steps = list(self._unchecked)
     return SealedCheck(self, steps, then)
@@ -165,14 +174,24 @@ class NonFiniteGuard:
 
   def _forget_up_to(self, step: int) -> None:
     with self._lock:
+      if self._bad_seen is not None:  # Kept for the loop's report of the first bad step.
+        step = min(step, self._bad_seen[0] - 1)
       while self._unchecked and self._unchecked[0][0] <= step:
         self._unchecked.popleft()
 
-  def _find_first_bad(self, seen_at: int) -> None:
-    self._bad_seen_at = None
+  def _find_first_bad(self) -> None:
+    """Reports the first bad step up to the one logging saw (on the loop's thread)."""
     with self._lock:
+      seen_at, seen_bad = self._bad_seen
+      self._bad_seen = None
       steps = [entry for entry in self._unchecked if entry[0] <= seen_at]
     self._report_first_bad(steps)
+    with self._report_lock:
+      if seen_at > self._reported_through:
+        # A save's check had forgotten it before logging read it: what
+        # logging read is the evidence.
+        self._reported_through = seen_at
+        self._report(seen_at, seen_bad)
 
   def _report_first_bad(self, steps: list[tuple[int, Any]]) -> None:
     """Reads `steps` in order; reports the first non-finite one (warn: each, once)."""
@@ -181,21 +200,24 @@ class NonFiniteGuard:
         if step <= self._reported_through:
           continue
         bad = non_finite_names(_host_copy(scalars, every_device=True))
-        if not bad:
-          continue
-        # `step` counts steps completed, so the step that produced it saw step - 1.
-        message = (f"non-finite training scalars {', '.join(bad)} at step {step} "
-                   f"(the step called with global_step={step - 1})")
-        if self._policy == "warn":
-          logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
-          continue
-        self._failed_step = step
-        self._failure = NonFiniteError(
-            f"{message}; stopped without saving it (non_finite_policy='halt')")
-        raise self._failure
+        if bad:
+          self._report(step, bad)
       if steps:
         self._reported_through = max(self._reported_through, steps[-1][0])
     self._forget_up_to(steps[-1][0] if steps else -1)
+
+  def _report(self, step: int, bad: list[str]) -> None:
+    """Logs ("warn") or raises ("halt") that scalars `bad` of `step` are not finite."""
+    # `step` counts steps completed, so the step that produced it saw step - 1.
+    message = (f"non-finite training scalars {', '.join(bad)} at step {step} "
+               f"(the step called with global_step={step - 1})")
+    if self._policy == "warn":
+      logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
+      return
+    self._failed_step = step
+    self._failure = NonFiniteError(
+        f"{message}; stopped without saving it (non_finite_policy='halt')")
+    raise self._failure
 
   def finish(self) -> None:
     self.check()

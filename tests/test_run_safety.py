@@ -26,6 +26,7 @@ from jaxline_ng import (
   run_record,
   train,
   utils,
+  writers,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,6 +153,51 @@ def test_logged_values_reveal_a_bad_step_to_the_loop():
   guard.observe(5, {"loss": float("nan")})
   with pytest.raises(guards.NonFiniteError, match="loss at step 3 "):
     guard(0.0, 6, {"loss": jnp.float32(np.nan)})
+
+
+def test_a_bad_step_logged_beside_good_ones_is_reported():
+  """Logging reads several steps at once: a finite step observed after the bad
+  one made the guard forget the bad one before the loop looked."""
+  guard = guards.NonFiniteGuard("halt")
+  for step in range(1, 6):
+    guard(0.0, step, {"loss": jnp.float32(np.nan if step == 3 else 1.0)})
+  for step in range(1, 6):
+    guard.observe(step, {"loss": float("nan") if step == 3 else 1.0})
+  with pytest.raises(guards.NonFiniteError, match="loss at step 3 "):
+    guard(0.0, 6, {"loss": jnp.float32(1.0)})
+
+
+def test_a_bad_step_logged_after_a_check_passed_it_vetoes_the_next_save():
+  """A save's check read a later, finite step and forgot the bad one; logging
+  then read the bad one: the next save is refused, naming it."""
+  guard = guards.NonFiniteGuard("halt")
+  for step in range(1, 6):
+    guard(0.0, step, {"loss": jnp.float32(np.nan if step == 3 else 1.0)})
+  guard.check()  # Reads step 5 alone: finite.
+  guard.observe(3, {"loss": float("nan")})
+  with pytest.raises(guards.NonFiniteError, match="loss at step 3 "):
+    guard.seal()()
+
+
+class OneBadStep(Exploding):
+  """`loss` is NaN at the step called with global_step == 5 only."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._update = jax.pmap(
+        lambda w, step: (w + 1.0, jnp.where(step == 5, jnp.nan, 1.0 * step)), axis_name="i")
+
+
+def test_halt_stops_at_a_single_bad_step_that_logging_wrote(tmp_path):
+  config = make_config(save_checkpoint_interval=1000, log_tensors_interval=1,
+                       log_train_data_interval=1, training_steps=40)
+  writer = writers.make_writer(str(tmp_path))
+  try:
+    with pytest.raises(guards.NonFiniteError, match="loss at step 6 "):
+      train.train(OneBadStep, config, checkpointing.InMemoryCheckpointer(config, "train"),
+                  writer)
+  finally:
+    writer.close()
 
 
 def test_scalars_that_change_from_step_to_step_are_checked_too():
