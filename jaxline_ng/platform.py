@@ -171,8 +171,11 @@ def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
   """
   if FLAGS.is_parsed():
     return argv
+  # ml_collections takes `--config.key=value` overrides from `sys.argv`, not
+  # from the arguments parsed: they must be the same list.
+  sys.argv = [sys.argv[0], *argv]
   try:
-    return FLAGS([sys.argv[0], *argv])
+    return FLAGS(sys.argv)
   except flags.Error as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
 

@@ -176,3 +176,22 @@ def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_anoth
   with flagsaver.flagsaver(config=config, jaxline_mode="eval"):
     with pytest.raises(SystemExit, match=r"would wait forever: in-memory checkpoints \(Own"):
       platform.main(toy.Experiment, [], checkpointer_factory=OwnCheckpointer)
+
+
+def test_main_without_app_run_takes_config_overrides_from_its_argv(tmp_path):
+  """jaxline-era code calls `platform.main(Experiment, argv)` with an argv of its
+  own; ml_collections read the overrides from `sys.argv` instead."""
+  config_file = tmp_path / "config.py"
+  config_file.write_text("from jaxline_ng import base_config\n"
+                         "def get_config():\n  return base_config.get_base_config()\n")
+  code = ("import sys\nfrom absl import flags\nfrom jaxline_ng import platform\n"
+          "sys.argv = sys.argv[:1]\n"
+          "try:\n"
+          f"  platform.main(None, ['--config={config_file}', '--config.training_steps=7',\n"
+          "                      '--jaxline_mode=bogus'])\n"
+          "finally:\n"
+          "  print('training_steps', flags.FLAGS.config.training_steps)\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert "training_steps 7" in result.stdout, result.stderr[-2000:]
+  assert "--jaxline_mode='bogus'" in result.stderr
