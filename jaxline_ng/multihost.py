@@ -60,6 +60,9 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "(SLURM, Open MPI, Kubernetes, Cloud TPU); flags above override it.")
 
 
+FLAGS = flags.FLAGS
+
+
 class MultihostError(RuntimeError):
   """The distributed runtime could not start; the message names the flag."""
   one_line = True  # Reported as one line naming the culprit, not a traceback.
@@ -75,13 +78,28 @@ def initialize_if_requested() -> bool:
   Must run before any JAX device is touched. Returns whether it initialised.
   """
   num_processes = _NUM_PROCESSES.value
+  if num_processes is not None and num_processes < 1:
+    raise MultihostError(f"--jaxline_num_processes={num_processes} must be at least 1")
   if not _DISTRIBUTED.value and (num_processes is None or num_processes <= 1):
+    # A process given its place in a run but not the run's size would train
+    # alone as process 0, writing where the real process 0 writes.
+    if _PROCESS_ID.value:
+      raise MultihostError(
+          f"--jaxline_process_id={_PROCESS_ID.value} needs --jaxline_num_processes above 1 "
+          "(or $JAX_NUM_PROCESSES)")
+    if FLAGS["jaxline_coordinator_address"].present:
+      raise MultihostError(
+          f"--jaxline_coordinator_address={_COORDINATOR.value} needs --jaxline_num_processes "
+          "above 1 (or $JAX_NUM_PROCESSES)")
     return False
   if not _DISTRIBUTED.value:
     if not _COORDINATOR.value:
       raise MultihostError(
           f"--jaxline_num_processes={num_processes} needs --jaxline_coordinator_address "
           "(or $JAX_COORDINATOR_ADDRESS)")
+    if not _COORDINATOR.value.rpartition(":")[2].isdigit():
+      raise MultihostError(
+          f"--jaxline_coordinator_address={_COORDINATOR.value} must be host:port")
     if _PROCESS_ID.value is None or not 0 <= _PROCESS_ID.value < num_processes:
       raise MultihostError(
           f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "

@@ -124,3 +124,25 @@ def test_a_process_given_another_process_count_stops_at_once_naming_the_flag(tmp
   assert result.returncode == 1, result.stdout[-4000:]
   assert ("[p1] jaxline_ng: error: process 1 was launched unlike process 0: "
           "--jaxline_num_processes=3 (process 0: 2)") in result.stdout, result.stdout[-4000:]
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["--jaxline_process_id=1"], "--jaxline_process_id=1 needs --jaxline_num_processes"),
+    (["--jaxline_coordinator_address=localhost:1234"],
+     "--jaxline_coordinator_address=localhost:1234 needs --jaxline_num_processes"),
+    (["--jaxline_num_processes=-2"], "--jaxline_num_processes=-2 must be at least 1"),
+    (["--jaxline_num_processes=2", "--jaxline_process_id=0",
+      "--jaxline_coordinator_address=localhost"],
+     "--jaxline_coordinator_address=localhost must be host:port"),
+])
+def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
+  """Each ran silently as a single process (or failed in JAX with a traceback)."""
+  code = ("import sys\nfrom absl import flags\nfrom jaxline_ng import multihost\n"
+          "flags.FLAGS(sys.argv)\n"
+          "try:\n  multihost.initialize_if_requested()\n"
+          "except multihost.MultihostError as e:\n  print('error:', e, e.one_line)\n")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+  result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+  assert result.stdout.startswith(f"error: {culprit}"), result.stderr[-2000:]
+  assert result.stdout.strip().endswith("True")
