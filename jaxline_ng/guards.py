@@ -225,6 +225,10 @@ class NonFiniteGuard:
   def wait_to_finish(self) -> None:
     pass
 
+  def update_time(self, t: float, step: int) -> None:
+    """jaxline's PeriodicAction method, which `train_loop` overrides call on every action."""
+    del t, step
+
 
 class SealedCheck:
   """`NonFiniteGuard.seal()`'s check of the steps up to a save; call it to run it."""

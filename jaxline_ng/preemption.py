@@ -172,3 +172,7 @@ class StopCheck:
 
   def wait_to_finish(self) -> None:
     pass
+
+  def update_time(self, t: float, step: int) -> None:
+    """jaxline's PeriodicAction method, which `train_loop` overrides call on every action."""
+    del t, step

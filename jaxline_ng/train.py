@@ -151,6 +151,10 @@ class _StepScalarsCheck:
   def wait_to_finish(self) -> None:
     pass
 
+  def update_time(self, t: float, step: int) -> None:
+    """jaxline's PeriodicAction method, which `train_loop` overrides call on every action."""
+    del t, step
+
 
 def _interval_type(config, specific_key: str) -> str:
   return config[specific_key] or config.interval_type

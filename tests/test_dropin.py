@@ -290,3 +290,20 @@ def test_log_activity_logs_stops_and_bad_input_without_a_traceback(error, logged
         raise error
   exception.assert_not_called()
   assert str(error) in str(logged.call_args)
+
+
+class RestartsActionClocks(NoInitRng):
+  """A published `train_loop` override (emergent_communication_at_scale's) restarts
+  every action's clock, as jaxline's `PeriodicAction.update_time` allows."""
+
+  def train_loop(self, config, state, periodic_actions, writer=None):
+    for action in periodic_actions:
+      action.update_time(0.0, state.global_step)
+    super().train_loop(config, state, periodic_actions, writer)
+
+
+def test_a_train_loop_override_may_restart_every_actions_clock(tmp_path):
+  config = make_config(checkpoint_dir=str(tmp_path), profile_steps=(1, 2))
+  checkpointer = ConfigDictCheckpointer()
+  train.train(RestartsActionClocks, config, checkpointer, None)
+  assert checkpointer.get_experiment_state("latest").global_step == 3
