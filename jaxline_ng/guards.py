@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import devices, multihost
+from jaxline_ng import devices, multihost, periodic
 
 POLICIES = ("halt", "warn", "off")
 # Steps whose scalars may wait for a check; past this, the loop reads the
@@ -72,7 +72,7 @@ def non_finite_names(scalars: Mapping[str, Any]) -> list[str]:
   return sorted(bad)
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(periodic.EveryStepAction):
   """Keeps each step's scalars until a check, and finds the first bad step.
 
   Call it after every step (as a periodic action) and `seal` on the loop's
@@ -221,13 +221,6 @@ class NonFiniteGuard:
 
   def finish(self) -> None:
     self.check()
-
-  def wait_to_finish(self) -> None:
-    pass
-
-  def update_time(self, t: float, step: int) -> None:
-    """jaxline's PeriodicAction method, which `train_loop` overrides call on every action."""
-    del t, step
 
 
 class SealedCheck:

@@ -60,9 +60,6 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "(SLURM, Open MPI, Kubernetes, Cloud TPU); flags above override it.")
 
 
-FLAGS = flags.FLAGS
-
-
 class MultihostError(RuntimeError):
   """The distributed runtime could not start; the message names the flag."""
   one_line = True  # Reported as one line naming the culprit, not a traceback.
@@ -87,7 +84,7 @@ def initialize_if_requested() -> bool:
       raise MultihostError(
           f"--jaxline_process_id={_PROCESS_ID.value} needs --jaxline_num_processes above 1 "
           "(or $JAX_NUM_PROCESSES)")
-    if FLAGS["jaxline_coordinator_address"].present:
+    if _COORDINATOR.present:
       raise MultihostError(
           f"--jaxline_coordinator_address={_COORDINATOR.value} needs --jaxline_num_processes "
           "above 1 (or $JAX_NUM_PROCESSES)")

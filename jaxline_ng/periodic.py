@@ -59,6 +59,22 @@ def _on_growth_schedule(step: int, ratios: Sequence[float]) -> bool:
   return any(step == round(ratio * scale) for ratio in ratios)
 
 
+class EveryStepAction:
+  """Base of the loop's own actions that look at every step themselves (the
+  guard, the stop check): `PeriodicAction`'s other methods, doing nothing,
+  because `train_loop` overrides written for jaxline call them on every action.
+  """
+
+  def finish(self) -> None:
+    pass
+
+  def wait_to_finish(self) -> None:
+    pass
+
+  def update_time(self, t: float, step: int) -> None:
+    del t, step
+
+
 class PeriodicAction:
   """Calls `fn(step, scalars)` every `interval` seconds or steps (jaxline's class).
 

@@ -27,7 +27,7 @@ import time
 
 from absl import logging
 
-from jaxline_ng import multihost
+from jaxline_ng import multihost, periodic
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A scheduler script can
 # requeue a job that exits with it; the rerun resumes from `latest`.
@@ -127,7 +127,7 @@ def stop_on_signals(sigterm_to_jax: bool = False):
       signal.signal(signum, handler)
 
 
-class StopCheck:
+class StopCheck(periodic.EveryStepAction):
   """A periodic action that raises `Preempted` once a stop was requested.
 
   Runs after the state already counts the finished step, so what `train`
@@ -166,13 +166,3 @@ class StopCheck:
                         "after a preemption notice")
     elif _stop_requested.is_set():
       raise Preempted(f"stopped by {_reason[0]} after step {step}")
-
-  def finish(self) -> None:
-    pass
-
-  def wait_to_finish(self) -> None:
-    pass
-
-  def update_time(self, t: float, step: int) -> None:
-    """jaxline's PeriodicAction method, which `train_loop` overrides call on every action."""
-    del t, step

@@ -14,8 +14,10 @@ from typing import Any
 import jax
 from absl import logging
 
+from jaxline_ng import periodic
 
-class ProfileWindow:
+
+class ProfileWindow(periodic.EveryStepAction):
   """Starts the trace before step `first` runs and stops it after step `stop - 1`.
 
   Used as a periodic action: it is called after each step with the number of
@@ -56,10 +58,3 @@ class ProfileWindow:
       self._active = False
       logging.info("[jaxline_ng] Profile (cut short by the end of training) written to %s",
                    self._logdir)
-
-  def wait_to_finish(self) -> None:
-    pass
-
-  def update_time(self, t: float, step: int) -> None:
-    """jaxline's PeriodicAction method, which `train_loop` overrides call on every action."""
-    del t, step

@@ -131,7 +131,7 @@ def _numbers(values: dict[str, Any]) -> dict[str, Any]:
   return values
 
 
-class _StepScalarsCheck:
+class _StepScalarsCheck(periodic.EveryStepAction):
   """A periodic action: stops the run at the first step whose outputs cannot be logged.
 
   Runs on the loop's thread, first of all actions, while the outputs are
@@ -144,16 +144,6 @@ class _StepScalarsCheck:
     problems = scalar_problems(scalars, "step()")
     if problems:
       raise ScalarsError(problems[0])
-
-  def finish(self) -> None:
-    pass
-
-  def wait_to_finish(self) -> None:
-    pass
-
-  def update_time(self, t: float, step: int) -> None:
-    """jaxline's PeriodicAction method, which `train_loop` overrides call on every action."""
-    del t, step
 
 
 def _interval_type(config, specific_key: str) -> str:
