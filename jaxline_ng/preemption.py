@@ -78,8 +78,7 @@ def consume_stop_request() -> None:
   _stop_requested.clear()
 
 
-def _on_signal(signum, frame) -> None:
-  del frame
+def _act_on_signal(signum: int) -> None:
   name = signal.Signals(signum).name
   if _signalled.is_set():
     # The run was asked to stop, so the code says so too (a requeueing
@@ -93,6 +92,30 @@ def _on_signal(signum, frame) -> None:
                   "saving, then exiting with code %d. Send it again to exit at once.",
                   name, EXIT_PREEMPTED)
   request_stop(name)
+
+
+def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
+  """Acts on each handled signal as soon as it arrives; ends when `read_fd` closes.
+
+  Python runs signal handlers on the main thread only, between bytecodes. The
+  OS may deliver a signal to any thread, and then a main thread blocked in a
+  sleep, a lock or a C call (a slow save, an eval job's wait) is not woken: the
+  signal would be acted on only when the block ends. Python's C-level handler
+  writes the signal's number to the wake-up fd at once, on whichever thread
+  the signal came, so this thread reads it and acts.
+  """
+  while data := os.read(read_fd, 64):
+    if forward_fd != -1:  # Whoever set the wake-up fd before still hears of every signal.
+      with contextlib.suppress(OSError):
+        os.write(forward_fd, data)
+    for signum in data:
+      if signum in handled:
+        _act_on_signal(signum)
+
+
+def _noted(signum, frame) -> None:
+  """The Python-level handler: the signal was already acted on by `_watch_signals`."""
+  del signum, frame
 
 
 @contextlib.contextmanager
@@ -114,10 +137,16 @@ def stop_on_signals(sigterm_to_jax: bool = False):
   for signum in (signal.SIGINT,) if sigterm_to_jax else (signal.SIGTERM, signal.SIGINT):
     handler = signal.getsignal(signum)
     if handler in (signal.SIG_DFL, signal.default_int_handler):
-      previous[signum] = signal.signal(signum, _on_signal)
+      previous[signum] = signal.signal(signum, _noted)
     else:  # The experiment handles (or ignores) this signal itself, as jaxline let it.
       logging.info("[jaxline_ng] %s keeps the handler installed before platform.main.",
                    signal.Signals(signum).name)
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)  # As `set_wakeup_fd` requires.
+  previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  watcher = threading.Thread(target=_watch_signals, name="jaxline_ng_signals", daemon=True,
+                             args=(read_fd, frozenset(previous), previous_fd))
+  watcher.start()
   _notice_through_jax[0] = sigterm_to_jax
   try:
     yield
@@ -125,6 +154,10 @@ def stop_on_signals(sigterm_to_jax: bool = False):
     _notice_through_jax[0] = False
     for signum, handler in previous.items():
       signal.signal(signum, handler)
+    signal.set_wakeup_fd(previous_fd)
+    os.close(write_fd)  # The watcher reads the end of the pipe and returns.
+    watcher.join()
+    os.close(read_fd)
 
 
 class StopCheck(periodic.EveryStepAction):
