@@ -103,10 +103,11 @@ class AbstractExperiment(abc.ABC):
     may keep them while training donates the live ones.
     """
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
-    if not attrs and not non_broadcast_attrs:
-      logging.warning(
-          "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
-          "checkpoints will hold no experiment state.", type(self).__name__)
+    if not attrs and not non_broadcast_attrs and not _overrides_snapshot(self):
+      # Once: saves every few steps would repeat it.
+      logging.log_first_n(
+          logging.WARNING, "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
+          "checkpoints will hold no experiment state.", 1, type(self).__name__)
     one_copy = devices.get_first if mesh_lib.active_mesh() is None else devices.fresh_copies
     snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()}))
     for attr, name in non_broadcast_attrs.items():
@@ -146,6 +147,11 @@ def checkpoint_attrs(experiment) -> tuple[Mapping[str, str], Mapping[str, str]]:
           getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})
 
 
+def _overrides_snapshot(experiment) -> bool:
+  """Whether the experiment's own `snapshot_state` adds to (or replaces) the attributes'."""
+  return type(experiment).snapshot_state is not AbstractExperiment.snapshot_state
+
+
 def describe_state(experiment) -> str:
   """The size of each checkpointed attribute, one copy: "params: 1,234 values, 4,936 bytes; ...".
 
@@ -166,6 +172,8 @@ def describe_state(experiment) -> str:
       count = math.prod(shape)
       values, size = values + count, size + count * dtype.itemsize
     parts.append(f"{name}: {values:,} values, {size:,} bytes")
+  if _overrides_snapshot(experiment):
+    parts.append(f"what {type(experiment).__name__}.snapshot_state returns")
   return "; ".join(parts) or "nothing is checkpointed"
 
 

@@ -307,3 +307,33 @@ def test_a_train_loop_override_may_restart_every_actions_clock(tmp_path):
   checkpointer = ConfigDictCheckpointer()
   train.train(RestartsActionClocks, config, checkpointer, None)
   assert checkpointer.get_experiment_state("latest").global_step == 3
+
+
+class SnapshotOverride(experiment.AbstractExperiment):
+  """Published style: no CHECKPOINT_ATTRS; `snapshot_state` and its inverse say what is saved."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self.total = 0
+
+  def step(self, **unused):
+    self.total += 1
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+  def snapshot_state(self):
+    return {**super().snapshot_state(), "total": self.total}
+
+  def restore_from_snapshot(self, snapshot_state):
+    self.total = snapshot_state["total"]
+
+
+def test_an_overridden_snapshot_state_is_not_called_empty(caplog):
+  config = make_config(training_steps=6, save_checkpoint_interval=1)
+  with caplog.at_level("INFO"):
+    train.train(SnapshotOverride, config, utils.InMemoryCheckpointer(config, "train"), None)
+  assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest.experiment_module.total == 6
+  assert "declares no CHECKPOINT_ATTRS" not in caplog.text
+  assert "Checkpointed state: what SnapshotOverride.snapshot_state returns" in caplog.text
