@@ -164,7 +164,7 @@ def create_writer(config, mode: str):
 
 
 def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
-  """Parses flags when `main` is called without `app.run`.
+  """Parses flags and starts absl logging when `main` is called without `app.run`.
 
   Published code calls `platform.main(Experiment, sys.argv[1:])` directly;
   that argv has no program name.
@@ -175,9 +175,14 @@ def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
   # from the arguments parsed: they must be the same list.
   sys.argv = [sys.argv[0], *argv]
   try:
-    return FLAGS(sys.argv)
+    argv = FLAGS(sys.argv)
   except flags.Error as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
+  # What `app.run` sets up, so that progress is logged as under it.
+  logging.use_absl_handler()
+  if FLAGS["verbosity"].using_default_value:
+    FLAGS.verbosity = 0
+  return argv
 
 
 def _writer_and_record(config, mode: str):

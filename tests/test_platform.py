@@ -111,6 +111,7 @@ def test_bare_main_call_with_unparsed_flags(tmp_path):
                "--config.training_steps=3", script=str(script))
   assert result.returncode == 0, result.stderr
   assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 3
+  assert "[jaxline_ng] step 3/3" in result.stderr  # Progress is logged, as under app.run.
 
 
 def test_flagsaver_then_main_with_empty_argv(tmp_path, monkeypatch):
