@@ -476,7 +476,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool):
       if isinstance(live_leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)) and \
           tuple(live_leaf.shape) != shape:
         raise UnusableCheckpoint(
-            f"{name} {'/'.join(tree_path)} has shape {shape} but the experiment's is "
+            f"{'/'.join(tree_path)} has shape {shape} but the experiment's is "
             f"{tuple(live_leaf.shape)} (saved by {_describe_topology(meta['topology'])}, "
             f"now {_describe_topology(_topology())})")
       sharding = getattr(live_leaf, "sharding", None)

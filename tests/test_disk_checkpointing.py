@@ -303,8 +303,9 @@ def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path):
   run(disk_config(tmp_path, 2))
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
-                     match=r"params/w has shape \(2, 3\) but the experiment's is \(2, 5\)"):
+                     match=r"params/w has shape \(2, 3\) but the experiment's is \(2, 5\)") as e:
     train.train(Wider, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+  assert str(e.value).count("params") == 1, e.value  # The entry is named once.
 
 
 def test_format_1_checkpoint_is_refused_naming_the_format(tmp_path):
