@@ -38,10 +38,20 @@ from jax.experimental import multihost_utils
 
 from jaxline_ng import run_record
 
+# Environment variables that should hold an integer and do not: refused when
+# the run starts, in one line, rather than with a traceback at import.
+_BAD_ENV: dict[str, str] = {}
+
 
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
-  return int(value) if value else None
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    _BAD_ENV[name] = value
+    return None
 
 
 _COORDINATOR = flags.DEFINE_string(
@@ -74,6 +84,8 @@ def initialize_if_requested() -> bool:
 
   Must run before any JAX device is touched. Returns whether it initialised.
   """
+  for name, value in _BAD_ENV.items():
+    raise MultihostError(f"${name}={value!r} is not an integer")
   num_processes = _NUM_PROCESSES.value
   if num_processes is not None and num_processes < 1:
     raise MultihostError(f"--jaxline_num_processes={num_processes} must be at least 1")

@@ -134,6 +134,7 @@ def test_a_process_given_another_process_count_stops_at_once_naming_the_flag(tmp
     (["--jaxline_num_processes=2", "--jaxline_process_id=0",
       "--jaxline_coordinator_address=localhost"],
      "--jaxline_coordinator_address=localhost must be host:port"),
+    (["JAX_NUM_PROCESSES=abc"], "$JAX_NUM_PROCESSES='abc' is not an integer"),
 ])
 def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
   """Each ran silently as a single process (or failed in JAX with a traceback)."""
@@ -142,7 +143,9 @@ def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
           "try:\n  multihost.initialize_if_requested()\n"
           "except multihost.MultihostError as e:\n  print('error:', e, e.one_line)\n")
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
-  result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+  env.update(arg.split("=", 1) for arg in args if not arg.startswith("--"))  # Variables.
+  flags = [arg for arg in args if arg.startswith("--")]
+  result = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True, text=True,
                           timeout=60, env=env)
   assert result.stdout.startswith(f"error: {culprit}"), result.stderr[-2000:]
   assert result.stdout.strip().endswith("True")
