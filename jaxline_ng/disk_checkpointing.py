@@ -246,7 +246,9 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
                                       f"name {'/'.join(tree_path)} is taken by another array")
         names.add("/".join(tree_path))
         arrays.append((tree_path, leaf))
-        leaves.append({"array": tree_path})
+        # Orbax gives a NumPy scalar back as a 0-d array; the mark turns it back.
+        leaves.append({"array": tree_path, **({"numpy_scalar": True}
+                                              if isinstance(leaf, np.generic) else {})})
       elif isinstance(leaf, _PLAIN_VALUES):
         leaves.append({"value": leaf})
       else:
@@ -556,7 +558,9 @@ def _load(path: str, live_nest: dict[str, Any], together: bool = False,
   for name, entry in entries.items():
     if not wanted(name):
       continue
-    leaves = [at(leaf["array"]) if "array" in leaf else leaf["value"] for leaf in entry["leaves"]]
+    leaves = [leaf["value"] if "array" not in leaf else
+              at(leaf["array"])[()] if leaf.get("numpy_scalar") else at(leaf["array"])
+              for leaf in entry["leaves"]]
     value = _value_for(entry, leaves, live.get(name), name, training)
     if name.startswith(_MODULE_PREFIX):
       nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value

@@ -29,7 +29,7 @@ class Rich(experiment.AbstractExperiment):
     self._opt_state = utils.bcast_local_devices(self._opt.init(params))
     self._moments = utils.bcast_local_devices(Moments(jnp.zeros(()), jnp.zeros((), jnp.int32)))
     self._history = []
-    self._info = {"name": "rich", "scale": 1.5, "flags": (True, None)}
+    self._info = {"name": "rich", "scale": 1.5, "flags": (True, None), "seed": np.int64(7)}
     self._nothing = None
 
     def update(params, opt_state, moments, global_step):
@@ -82,7 +82,8 @@ def test_resume_restores_every_attribute_in_its_structure(tmp_path):
   resumed = run(disk_config(tmp_path / "b", 7))
   assert Rich.seen_steps == [4, 5, 6]
   assert resumed._history == [0, 1, 2, 3, 4, 5, 6]
-  assert resumed._info == {"name": "rich", "scale": 1.5, "flags": (True, None)}
+  assert resumed._info == {"name": "rich", "scale": 1.5, "flags": (True, None), "seed": 7}
+  assert isinstance(resumed._info["seed"], np.int64)  # A NumPy scalar, not a 0-d array.
   assert resumed._nothing is None
   assert isinstance(utils.get_first(resumed._moments), Moments)
   assert type(resumed._opt_state) is type(uninterrupted._opt_state)  # pylint: disable=unidiomatic-typecheck
