@@ -820,6 +820,8 @@ class DiskCheckpointer:
       return
     if not failures:
       raise CheckpointRefused(f"no checkpoint for series {ckpt_series!r} in {self._read_root}")
+    if fresh_run and ckpt_series == "latest" and self._restore_path:
+      raise CheckpointRefused(f"config.restore_path={self._restore_path!r}: {failures[0][1]}")
     raise CheckpointRefused(
         f"no usable checkpoint for series {ckpt_series!r}: {failures[0][0]}: {failures[0][1]}"
         + (f" (and {len(failures) - 1} older ones)" if len(failures) > 1 else ""))

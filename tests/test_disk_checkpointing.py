@@ -160,6 +160,15 @@ def test_restore_path_seeds_a_fresh_run_with_weights_only(tmp_path):
   del source
 
 
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_an_unusable_restore_path_is_refused_naming_the_config_key(tmp_path, where):
+  os.makedirs(tmp_path / "empty")
+  restore_path = str(tmp_path / where)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=f"^config.restore_path='{restore_path}': "):
+    run(disk_config(tmp_path / "fresh", 2, restore_path=restore_path))
+
+
 def test_best_series_on_disk_keeps_metric_value(tmp_path):
   config = disk_config(tmp_path, 4, best_model_eval_metric="b0",
                        best_model_eval_metric_higher_is_better=False)
