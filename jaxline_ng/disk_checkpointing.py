@@ -794,7 +794,7 @@ class DiskCheckpointer:
     live = checkpointing.snapshotted_items(state)
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)
-    # The experiment's own mode: train_eval_multithreaded's evaluator shares this checkpointer.
+    # The experiment's own mode: an evaluator may share the trainer's checkpointer.
     training = getattr(getattr(state, "experiment_module", None), "mode", self._mode) == "train"
     failures = []
     for candidate in candidates:

@@ -244,15 +244,22 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
 
 
 def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:
-  checkpointer = checkpointer_factory(config, mode)
+  # As jaxline: train_eval_multithreaded's trainer gets a checkpointer made
+  # for "train", its evaluator one made for "eval" (a factory may tell them apart).
+  checkpointer = checkpointer_factory(config, "train" if mode == TRAIN_EVAL_MULTITHREADED
+                                      else mode)
   if checkpointer_factory is not create_checkpointer and config.checkpointer != "memory":
     # The experiment chose its checkpointer in code; the key cannot change it.
     logging.warning("[jaxline_ng] config.checkpointer=%r has no effect: the experiment passes "
                     "its own checkpointer_factory (%s).", config.checkpointer,
                     type(checkpointer).__name__)
+  eval_checkpointer = (checkpointer_factory(config, "eval") if mode == TRAIN_EVAL_MULTITHREADED
+                       else checkpointer)
   if multihost.is_multiprocess():
     # Saves made before another process failed still land (later ones are vetoed).
     multihost.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
+    if eval_checkpointer is not checkpointer:
+      multihost.at_peer_failure(eval_checkpointer.wait_for_checkpointing_to_finish)
   if mode == "train":
     writer = _writer_and_record(config, "train")
     try:
@@ -262,8 +269,8 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
   elif mode == TRAIN_EVAL_MULTITHREADED:
     writer, eval_writer = _writer_and_record(config, "train"), _writer_and_record(config, "eval")
     try:
-      train.train_eval_multithreaded(
-          experiment_class, config, checkpointer, writer, eval_writer=eval_writer)
+      train.train_eval_multithreaded(experiment_class, config, checkpointer, writer,
+                                     eval_writer=eval_writer, eval_checkpointer=eval_checkpointer)
     finally:
       _close(writer)
       _close(eval_writer)

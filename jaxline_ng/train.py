@@ -632,12 +632,14 @@ def _stop_evaluating() -> bool:
 
 
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
-                             eval_writer=None) -> None:
+                             eval_writer=None, eval_checkpointer=None) -> None:
   """Trains on a background thread while the main thread evaluates.
 
   The evaluator's experiment is constructed with mode
   "train_eval_multithreaded", as in jaxline. If training raises, evaluation
   stops and the training error is raised here (jaxline hung forever).
+  The evaluator restores through `eval_checkpointer` (default: `checkpointer`),
+  which must see the trainer's saves.
 
   Raises:
     base_config.ConfigError: with mesh placement over several processes,
@@ -668,7 +670,8 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
   # for. If evaluation fails, the trainer is asked to stop and waited for,
   # so its last save lands and the evaluation's error is the one reported.
   try:
-    evaluate(experiment_class, config, checkpointer, eval_writer,
+    evaluate(experiment_class, config,
+             checkpointer if eval_checkpointer is None else eval_checkpointer, eval_writer,
              jaxline_mode="train_eval_multithreaded",
              poll_interval_secs=MULTITHREADED_EVAL_POLL_SECS,
              stop_waiting=lambda: not trainer.is_alive())

@@ -179,6 +179,28 @@ def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_anoth
       platform.main(toy.Experiment, [], checkpointer_factory=OwnCheckpointer)
 
 
+def test_train_eval_multithreaded_makes_a_train_and_an_eval_checkpointer(tmp_path):
+  """As jaxline: the factory is called with "train", then "eval"; a user's factory that
+  knows only those two modes works."""
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+  modes = []
+
+  def factory(config, mode):
+    modes.append(mode)
+    return {"train": utils.InMemoryCheckpointer, "eval": utils.InMemoryCheckpointer}[mode](
+        config, mode)
+
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.training_steps = 40
+  config.save_checkpoint_interval = 10
+  with flagsaver.flagsaver(config=config, jaxline_mode="train_eval_multithreaded"):
+    platform.main(toy.Experiment, [], checkpointer_factory=factory)
+  assert modes == ["train", "eval"]
+  assert read_jsonl(tmp_path / "eval" / "metrics.jsonl")[-1]["step"] == 40
+
+
 def test_main_without_app_run_takes_config_overrides_from_its_argv(tmp_path):
   """jaxline-era code calls `platform.main(Experiment, argv)` with an argv of its
   own; ml_collections read the overrides from `sys.argv` instead."""
