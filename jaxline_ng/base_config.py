@@ -90,6 +90,15 @@ def get_base_config() -> ml_collections.ConfigDict:
   return config
 
 
+# Keys jaxline 0.0.8's base config did not have. A config written for jaxline
+# without `get_base_config()` lacks them; `validate_config` gives them their defaults.
+KEYS_BEYOND_JAXLINE = (
+    "tensorboard", "checkpoint_dir", "checkpointer", "restore_path", "compilation_cache_dir",
+    "eval_poll_interval_secs", "eval_specific_checkpoint_dir", "non_finite_policy",
+    "wall_clock_budget_secs", "profile_steps", "strict_resume_config", "placement",
+    "mesh_shape")
+
+
 class ConfigError(ValueError):
   """A config that cannot run; the message names the key and the value."""
   one_line = True  # Reported as one line naming the culprit, not a traceback.
@@ -99,14 +108,25 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first missing or malformed base key.
 
   Keys beyond the base ones are allowed: published configs add their own.
+  Base keys jaxline did not have (`KEYS_BEYOND_JAXLINE`) are added to
+  `config` with their defaults when it lacks them, as a config written for
+  jaxline does.
   """
   from jaxline_ng import rng  # Deferred: rng imports JAX, config files should not.
 
-  for key in get_base_config().keys():
-    if key not in config:
+  defaults = get_base_config()
+  for key in defaults.keys():
+    if key not in config and key not in KEYS_BEYOND_JAXLINE:
       raise ConfigError(
           f"config is missing the base key {key!r}: build configs on "
           "jaxline_ng.base_config.get_base_config()")
+  added = [key for key in KEYS_BEYOND_JAXLINE if key not in config]
+  if added:
+    with config.unlocked():
+      for key in added:
+        config[key] = defaults.get_ref(key)
+    logging.info("[jaxline_ng] The config has no %s (keys jaxline did not have): "
+                 "using their defaults.", ", ".join(added))
 
   for key in ("interval_type", "logging_interval_type", "checkpoint_interval_type"):
     value = config[key]

@@ -35,6 +35,19 @@ def test_extra_keys_field_references_and_lock_are_fine():
   assert config.training_steps == 7 and config.experiment_kwargs.config.total == 7
 
 
+def test_a_config_with_only_jaxlines_keys_takes_the_defaults_of_the_others():
+  """A config written for jaxline 0.0.8 without its get_base_config(), locked as some are."""
+  base = base_config.get_base_config()
+  config = config_dict.ConfigDict({key: base[key] for key in base
+                                   if key not in base_config.KEYS_BEYOND_JAXLINE})
+  config.lock()
+  base_config.validate_config(config)
+  assert config.to_dict() == base.to_dict()
+  config.compilation_cache_dir = "/cache"  # Still a typed placeholder.
+  with pytest.raises(TypeError):
+    config.compilation_cache_dir = 3
+
+
 def test_missing_base_key_is_named():
   config = base_config.get_base_config()
   del config["random_mode_eval"]

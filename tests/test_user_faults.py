@@ -75,6 +75,34 @@ def test_get_config_returning_a_plain_dict_is_accepted(tmp_path):
   assert [r["step"] for r in read_jsonl(tmp_path / "train" / "metrics.jsonl")] == [2, 4, 6]
 
 
+def test_a_config_written_for_jaxline_without_its_base_config_runs(tmp_path):
+  """Only jaxline 0.0.8's keys, written out by hand: jaxline_ng's own keys take defaults."""
+  config_file = tmp_path / "jaxline_config.py"
+  config_file.write_text(
+      "from ml_collections import config_dict\n"
+      "import toy\n"
+      "def get_config():\n"
+      "  return config_dict.ConfigDict(dict(\n"
+      "      training_steps=6, interval_type='steps', save_checkpoint_interval=3,\n"
+      "      log_tensors_interval=3, log_train_data_interval=3.0,\n"
+      "      periodic_action_growth_ratios=None, log_async=True, log_all_hosts=False,\n"
+      "      logging_interval_type=None, checkpoint_interval_type=None,\n"
+      "      save_initial_train_checkpoint=False, train_checkpoint_all_hosts=False,\n"
+      "      best_checkpoint_all_hosts=False, log_all_train_data=False,\n"
+      "      eval_initial_weights=False, one_off_evaluate=False, max_checkpoints_to_keep=5,\n"
+      "      random_seed=42, random_mode_train='unique_host_unique_device',\n"
+      "      random_mode_eval='same_host_same_device', legacy_random_seed_behavior=False,\n"
+      "      best_model_eval_metric='', best_model_eval_metric_higher_is_better=True,\n"
+      f"      checkpoint_dir={str(tmp_path)!r},\n"
+      "      experiment_kwargs=toy.get_config().experiment_kwargs))\n")
+  result = subprocess.run(toy(config=str(config_file)), cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(ENV, PYTHONPATH=os.pathsep.join(
+                              [ROOT, os.path.join(ROOT, "tests", "experiments")])))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert [r["step"] for r in read_jsonl(tmp_path / "train" / "metrics.jsonl")] == [3, 6]
+  assert "The config has no tensorboard, checkpointer," in result.stderr
+
+
 def test_get_config_returning_something_else_names_the_config_file(tmp_path):
   config_file = tmp_path / "list_config.py"
   config_file.write_text("def get_config():\n  return [1, 2]\n")
