@@ -30,8 +30,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.log_tensors_interval = 60
   # Writing train scalars to TensorBoard/JSONL; None turns it off.
   config.log_train_data_interval = 120.0
-  config.logging_interval_type = None
-  config.checkpoint_interval_type = None
+  # Typed (still None by default), so that the command line can set them.
+  config.logging_interval_type = config_dict.placeholder(str)
+  config.checkpoint_interval_type = config_dict.placeholder(str)
   # e.g. (1, 2, 5): also act at steps 1, 2, 5, 10, 20, 50, 100, ...
   config.periodic_action_growth_ratios = None
   config.log_all_train_data = False

@@ -1,7 +1,8 @@
 """The base config: jaxline's keys and defaults, and what validation rejects."""
 
 import pytest
-from ml_collections import config_dict
+from absl import flags
+from ml_collections import config_dict, config_flags
 
 from jaxline_ng import base_config
 
@@ -46,6 +47,18 @@ def test_a_config_with_only_jaxlines_keys_takes_the_defaults_of_the_others():
   config.compilation_cache_dir = "/cache"  # Still a typed placeholder.
   with pytest.raises(TypeError):
     config.compilation_cache_dir = 3
+
+
+def test_interval_type_overrides_are_settable_from_the_command_line(monkeypatch):
+  argv = ["prog", "--config.checkpoint_interval_type=steps", "--config.logging_interval_type=secs"]
+  monkeypatch.setattr("sys.argv", argv)  # ml_collections reads the overrides from sys.argv.
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_dict("config", base_config.get_base_config(),
+                                  flag_values=flag_values)
+  flag_values(argv)
+  config = flag_values.config
+  assert (config.checkpoint_interval_type, config.logging_interval_type) == ("steps", "secs")
+  base_config.validate_config(config)
 
 
 def test_missing_base_key_is_named():
