@@ -811,7 +811,7 @@ class DiskCheckpointer:
       if fresh_run and ckpt_series == "latest":
         # `restore_path` seeds a new run: its weights, not its step or keys.
         nest = {"experiment_module": nest.get("experiment_module", {})}
-      else:
+      elif training:  # An evaluation takes no key from the chain.
         _warn_if_another_topology(topology, nest["global_step"])
       if not fresh_run:
         self._move_aside([p for p, _ in failures], ckpt_series)

@@ -58,6 +58,10 @@ def test_pmap_checkpoint_resumes_on_4_then_2_then_1_devices(tmp_path):
   assert sorted(logged_losses(tmp_path)) == list(range(1, 31))
   step, nest = disk_checkpointing.read(str(tmp_path))
   assert step == 30 and nest["train_step_rng"].shape == (1, 2)
+  evaluation = on_devices(toy_args(tmp_path, 30, "--jaxline_mode=eval",
+                                   "--config.one_off_evaluate=True"), 2)
+  assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+  assert "key chain" not in evaluation.stderr  # Evaluation takes no key from it.
 
 
 def test_pmap_checkpoint_resumes_on_another_process_count(tmp_path):
