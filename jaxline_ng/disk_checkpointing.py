@@ -502,7 +502,9 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool):
           os.path.abspath(path), args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
               item=targets, restore_args=restore_args, partial_restore=True)}))[_STATE_ITEM]
     except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
-      raise UnusableCheckpoint(f"its arrays do not load ({type(e).__name__}: {e})") from None
+      # TensorStore appends its whole spec (~1 kB of JSON) to the reason.
+      reason = str(e).split(" [tensorstore_spec=", 1)[0]
+      raise UnusableCheckpoint(f"its arrays do not load ({type(e).__name__}: {reason})") from None
 
   def at(tree_path):
     node = restored

@@ -284,6 +284,7 @@ def test_damaged_newest_checkpoint_is_moved_aside_and_saving_continues(tmp_path,
   moved = os.listdir(disk_checkpointing.unusable_dir(series))
   assert len(moved) == 1 and moved[0].startswith("6-")
   assert "could not be loaded" in caplog.text
+  assert "tensorstore_spec" not in caplog.text  # The reason, not 1 kB of TensorStore's spec.
   assert os.path.join(disk_checkpointing.unusable_dir(series), moved[0]) in caplog.text
   # The checkpoint saved at step 6 after the move restores and matches the run.
   step, nest = disk_checkpointing.read(str(tmp_path), step=6)
