@@ -60,13 +60,13 @@ def disable_pmap_jit(fn):
   return wrapped
 
 
-def debugger_fallback(fn):
+def debugger_fallback(f):
   """Decorator: on an exception, opens pdb post-mortem if `--jaxline_post_mortem`."""
 
-  @functools.wraps(fn)
+  @functools.wraps(f)
   def wrapped(*args, **kwargs):
     try:
-      return fn(*args, **kwargs)
+      return f(*args, **kwargs)
     except Exception:
       if flags.FLAGS.is_parsed() and _POST_MORTEM.value:
         pdb.post_mortem(sys.exc_info()[2])

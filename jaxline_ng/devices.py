@@ -157,7 +157,7 @@ def first_copy_to_host(tree: Any) -> Any:
                       tree)
 
 
-def get_first(tree: Any) -> Any:
+def get_first(xs: Any) -> Any:
   """Returns the first device's copy of a pmap-replicated pytree.
 
   Reads the first addressable shard of each array instead of indexing the
@@ -165,7 +165,7 @@ def get_first(tree: Any) -> Any:
   fresh buffers: donating the replicated input later does not invalidate it.
   Non-JAX leaves (numpy arrays, Python numbers) are indexed as jaxline did.
   """
-  leaves, treedef = jax.tree.flatten(tree)
+  leaves, treedef = jax.tree.flatten(xs)
   # One dispatch per device the first rows are on: one, unless arrays order
   # their devices differently (a jit takes arrays of one device set).
   by_device: dict[Any, list[tuple[int, jax.Array]]] = {}

@@ -14,6 +14,7 @@ pmap-replicated: one copy is checkpointed and it is restored replicated.
 """
 
 import abc
+import contextlib
 import functools
 import inspect
 import math
@@ -198,22 +199,22 @@ def keyword_filtered(method):
   return call
 
 
-def kwargs_only(fn):
-  """Decorator: `fn` may only be called with keyword arguments (jaxline's helper)."""
+def kwargs_only(f):
+  """Decorator: `f` may only be called with keyword arguments (jaxline's helper)."""
 
-  @functools.wraps(fn)
+  @functools.wraps(f)
   def call(**kwargs):
-    return fn(**kwargs)
+    return f(**kwargs)
 
   return call
 
 
-def evaluate_should_return_dict(evaluate_fn):
+def evaluate_should_return_dict(f):
   """Decorator: an `evaluate` returning None yields {} and logs a warning."""
 
-  @functools.wraps(evaluate_fn)
+  @functools.wraps(f)
   def call(*args, **kwargs):
-    scalars = evaluate_fn(*args, **kwargs)
+    scalars = f(*args, **kwargs)
     if scalars is None:
       logging.warning("[jaxline_ng] evaluate() returned None; return a dict of scalars.")
       return {}
@@ -222,11 +223,18 @@ def evaluate_should_return_dict(evaluate_fn):
   return call
 
 
-class log_activity:  # pylint: disable=invalid-name  (jaxline's name, used as a context manager)
-  """Logs the start, end and duration of an activity, and a failure with its traceback."""
+class log_activity(contextlib.ContextDecorator):  # pylint: disable=invalid-name  (jaxline's name)
+  """Logs the start, end and duration of an activity, and a failure with its traceback.
+
+  A context manager, and a decorator as jaxline's (a `contextlib.contextmanager`) was.
+  """
 
   def __init__(self, activity_name: str):
     self._name = activity_name
+
+  def _recreate_cm(self):
+    # A decorated function's calls may overlap (threads, recursion): each gets its own clock.
+    return type(self)(self._name)
 
   def __enter__(self):
     logging.info("[jaxline_ng] %s starting...", self._name)

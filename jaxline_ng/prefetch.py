@@ -12,13 +12,14 @@ from jaxline_ng import devices
 _END = object()
 
 
-def py_prefetch(iterable_function: Callable[[], Iterable[Any]],
-                buffer_size: int = 5) -> Iterator[Any]:
+def py_prefetch(iterable_function: Callable[[], Iterable[Any]], buffer_size: int = 5, *,
+                thread_name: str | None = None) -> Iterator[Any]:
   """Iterates `iterable_function()` on a background thread, `buffer_size` ahead.
 
   Python-side input work (decoding, augmentation in numpy) then overlaps with
   the training step. An exception raised by the producer is raised again by
-  the consumer's `next()`, with its original traceback.
+  the consumer's `next()`, with its original traceback. `thread_name` names
+  the producing thread.
   """
   if buffer_size < 1:
     raise ValueError(f"py_prefetch: buffer_size={buffer_size} must be >= 1")
@@ -40,7 +41,7 @@ def py_prefetch(iterable_function: Callable[[], Iterable[Any]],
     except BaseException as e:  # pylint: disable=broad-except  (re-raised by the consumer)
       buffer.put(e)
 
-  threading.Thread(target=produce, name="py_prefetch", daemon=True).start()
+  threading.Thread(target=produce, name=thread_name or "py_prefetch", daemon=True).start()
   try:
     while True:
       item = buffer.get()

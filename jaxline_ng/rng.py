@@ -69,7 +69,8 @@ def host_id_devices_for_rng(mode: str = "unique_host_unique_device"):
   return np.full((jax.local_device_count(),), jax.process_index(), np.int32)
 
 
-def specialize_rng_host_device(rng, host_id, axis_name: str, mode: str):
+def specialize_rng_host_device(rng, host_id, axis_name: str,
+                               mode: str = "unique_host_unique_device"):
   """Folds the host id and/or device index into `rng` as `mode` says.
 
   Call inside a pmap over `axis_name` (jaxline's contract); `host_id` is this

@@ -2,7 +2,10 @@
 
 import subprocess
 import sys
+import threading
 
+import jax
+import numpy as np
 import pytest
 
 from jaxline_ng import utils
@@ -64,3 +67,49 @@ def test_distributed_rng_mode_is_jaxlines_enum():
   assert utils.DistributedRNGMode.SAME_HOST_UNIQUE_DEVICE.unique_device
   with pytest.raises(ValueError):
     utils.DistributedRNGMode("unique_everything")
+
+
+# Calls as jaxline 0.0.8's signatures allow them: its keyword-only
+# `thread_name`, `mode`'s default, its parameter names, `log_activity` as a decorator.
+def test_py_prefetch_names_its_thread_with_jaxlines_keyword():
+  names = []
+
+  def numbers():
+    names.append(threading.current_thread().name)
+    yield from range(3)
+
+  assert list(utils.py_prefetch(numbers, thread_name="input")) == [0, 1, 2]
+  assert names == ["input"]
+
+
+def test_specialize_rng_host_device_defaults_to_unique_host_unique_device():
+  keys = utils.bcast_local_devices(jax.random.PRNGKey(0))
+  host_ids = utils.host_id_devices_for_rng()
+
+  def specialize(*mode):
+    return jax.pmap(lambda key, host: utils.specialize_rng_host_device(key, host, "i", *mode),
+                    axis_name="i")(keys, host_ids)
+
+  np.testing.assert_array_equal(specialize(), specialize("unique_host_unique_device"))
+
+
+def test_parameters_keep_jaxlines_names():
+  assert utils.get_first(xs=np.arange(3)) == 0
+  assert utils.kwargs_only(f=lambda **kw: kw)(a=1) == {"a": 1}
+  assert utils.evaluate_should_return_dict(f=lambda: None)() == {}
+  assert utils.debugger_fallback(f=lambda: 2)() == 2
+
+
+def test_log_activity_is_also_a_decorator(caplog):
+  @utils.log_activity("counting")
+  def count(n):
+    if n < 0:
+      raise ValueError("negative")
+    return n + 1
+
+  with caplog.at_level("INFO"):
+    assert count(1) == 2
+    with pytest.raises(ValueError, match="negative"):
+      count(-1)
+  assert caplog.text.count("counting starting...") == 2
+  assert "counting finished" in caplog.text and "counting failed" in caplog.text
