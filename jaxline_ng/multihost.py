@@ -235,8 +235,19 @@ def stop_agreed(step: int) -> bool:
   the furthest; this returns True on every process at that step. Call it
   with the step training starts from, then after every step. Until a notice
   arrives it sets a counter under a lock: no communication.
+
+  Once this process is ending after a failure (`exit_after_failure`), the
+  call never returns: JAX's sync point can wait for processes that are gone
+  while holding the GIL, which the thread ending the process needs.
   """
+  if _ending.is_set():
+    while True:
+      time.sleep(60)
   return multihost_utils.reached_preemption_sync_point(step)
+
+
+# Set once this process has published a failure or is exiting after one.
+_ending = threading.Event()
 
 
 def at_peer_failure(callback: Callable[[], None]) -> None:
@@ -246,6 +257,7 @@ def at_peer_failure(callback: Callable[[], None]) -> None:
 
 def publish_failure(message: str, exit_code: int) -> None:
   """Tells every other process this one failed; they exit with `exit_code` too."""
+  _ending.set()
   try:
     _key_value_store().key_value_set(
         _FAILURE_KEY, f"{jax.process_index()} {exit_code} {message}")
@@ -347,6 +359,7 @@ def exit_after_failure(exit_code: int) -> None:
   publishes its failure, then comes here), to say so (at most
   `_PEER_FAILURE_FLUSH_SECS` and a margin) before it exits.
   """
+  _ending.set()
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()

@@ -86,6 +86,11 @@ def _act_on_signal(signum: int) -> None:
     # left incomplete and ignored on restore.
     logging.warning("[jaxline_ng] Second %s: exiting now with code %d.", name, EXIT_PREEMPTED)
     logging.flush()
+    if multihost.is_multiprocess():
+      # The others would wait for this process in their next collective until
+      # JAX's heartbeat aborts them: they are told, and exit with the same code.
+      multihost.publish_failure(f"a second {name} ended it at once", EXIT_PREEMPTED)
+      multihost.exit_after_failure(EXIT_PREEMPTED)
     os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
   _signalled.set()
   logging.warning("[jaxline_ng] %s received: stopping after the current step, "

@@ -177,6 +177,22 @@ def test_a_signal_to_some_processes_stops_all_after_one_agreed_step(
   _stop_then_resume_exactly(tmp_path, uninterrupted, launch)
 
 
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_second_ctrl_c_to_one_process_ends_every_process_at_once_with_75(tmp_path, index):
+  # Its peers would otherwise wait for it in a collective until JAX's heartbeat aborts them.
+  launch = Launch(toy(tmp_path, "--config.experiment_kwargs.config.step_sleep_secs=0.05",
+                      "--config.training_steps=3000"))
+  pid = launch.pid(index)
+  launch.wait_for(r"^\[p0\] .*step (3\d|[4-9]\d|\d\d\d)/")
+  os.kill(pid, signal.SIGINT)
+  time.sleep(0.1)
+  os.kill(pid, signal.SIGINT)
+  signalled = time.monotonic()
+  assert launch.finish() == 75, launch.output
+  assert launch.exit_codes() == [75, 75], launch.output
+  assert time.monotonic() - signalled < 30, launch.output
+
+
 def test_the_wall_clock_budget_stops_every_process_after_one_agreed_step(
     tmp_path, uninterrupted):
   launch = Launch(toy(tmp_path, PACED, "--config.wall_clock_budget_secs=2"))
