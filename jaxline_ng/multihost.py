@@ -22,9 +22,11 @@ never complete.
 """
 
 import atexit
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -113,6 +115,8 @@ def initialize_if_requested() -> bool:
       raise MultihostError(
           f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "
           "(or set $JAX_PROCESS_ID)")
+    if _PROCESS_ID.value == 0:
+      _refuse_a_taken_port(_COORDINATOR.value)
   # The wait for every process to join cannot fail early (a peer may start
   # minutes late) and JAX's timeout aborts the process without a word: say
   # what it waits for, so a process that never comes is found from this line.
@@ -129,6 +133,36 @@ def initialize_if_requested() -> bool:
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
+
+
+def _refuse_a_taken_port(address: str) -> None:
+  """Raises MultihostError if process 0's coordinator port is in use on this host.
+
+  JAX's coordination service (a gRPC server) listens with SO_REUSEPORT, so
+  on a port another one holds (process 0 of an earlier run still alive, or
+  two processes given id 0) it starts without error; the kernel then splits
+  the processes between the two services, and the run hangs until the join
+  timeout or aborts naming nothing. A bind without SO_REUSEPORT fails there.
+  """
+  port = int(address.rpartition(":")[2])
+  # "::" also covers IPv4 on a dual-stack host; without IPv6, 0.0.0.0 decides.
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    try:
+      probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue
+    with probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
+      try:
+        probe.bind((host, port))
+      except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+          continue
+        raise MultihostError(
+            f"--jaxline_coordinator_address={address}: port {port} is in use on this host "
+            "(process 0 of another run still alive, or two processes given "
+            "--jaxline_process_id=0?)") from None
+      return
 
 
 def is_chief() -> bool:

@@ -6,6 +6,7 @@ process with 4 devices training on the same global batch.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -149,3 +150,28 @@ def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
                           timeout=60, env=env)
   assert result.stdout.startswith(f"error: {culprit}"), result.stderr[-2000:]
   assert result.stdout.strip().endswith("True")
+
+
+def test_process_0_on_a_port_another_coordinator_holds_stops_naming_the_address():
+  """JAX's coordination service listens with SO_REUSEPORT: a second one on a taken port
+  (a stale process 0, two processes given id 0) starts silently and the run hangs."""
+  with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as stale:
+    stale.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    stale.bind(("::", 0))
+    stale.listen()
+    port = stale.getsockname()[1]
+    code = ("import sys\nfrom absl import flags\nfrom jaxline_ng import multihost\n"
+            "flags.FLAGS(sys.argv)\n"
+            "try:\n  multihost.initialize_if_requested()\n"
+            "except multihost.MultihostError as e:\n  print('error:', e, e.one_line)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+    try:
+      result = subprocess.run(
+          [sys.executable, "-c", code, "--jaxline_num_processes=2", "--jaxline_process_id=0",
+           f"--jaxline_coordinator_address=127.0.0.1:{port}"],
+          capture_output=True, text=True, timeout=30, env=env)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"process 0 started a second coordination service on port {port}")
+  assert result.stdout.startswith(
+      f"error: --jaxline_coordinator_address=127.0.0.1:{port}: port {port} is in use"), (
+          result.stdout + result.stderr[-2000:])
