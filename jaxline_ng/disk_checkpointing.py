@@ -57,7 +57,7 @@ _STATE_ITEM, _META_ITEM = "state", "meta"
 _META_KEYS = frozenset(("format", "step", "topology", "entries", "arrays", "digest"))
 # Attributes the loops keep on an ExperimentState besides the experiment's own.
 _STATE_ATTRS = frozenset(("global_step", "train_step_rng", "periodic_action_times", "run_config",
-                          "best_eval_metric_value"))
+                          "best_eval_metric_value", "best_model_eval_metric"))
 _PLAIN_VALUES = (bool, int, float, str)
 
 

@@ -412,6 +412,12 @@ def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None
                   "\n  ".join(changed))
 
 
+def _restore_is_ours(checkpointer) -> bool:
+  """Whether `checkpointer.restore` is jaxline_ng's (not a user's override)."""
+  return type(checkpointer).restore.__module__ in ("jaxline_ng.checkpointing",
+                                                   "jaxline_ng.disk_checkpointing")
+
+
 class _BestTracker:
   """Saves the `best` series when the eval metric strictly improves."""
 
@@ -420,11 +426,19 @@ class _BestTracker:
     self._higher_is_better = config.best_model_eval_metric_higher_is_better
     self._checkpointer = checkpointer
     self._state = checkpointer.get_experiment_state("best")
-    self._state.experiment_module = None  # Restore only the metric, not the weights.
+    # As jaxline, the state holds every entry before `best` is restored into
+    # it: a checkpointer written for jaxline restores the entries it finds,
+    # the experiment's through its `restore_from_snapshot`. jaxline_ng's own
+    # checkpointers skip the weights of a state holding no experiment.
+    worst = -math.inf if self._higher_is_better else math.inf
+    self._state.best_eval_metric_value = worst
+    self._state.best_model_eval_metric = self._metric
+    self._state.experiment_module = None if _restore_is_ours(checkpointer) else experiment
     if checkpointer.can_be_restored("best"):
       checkpointer.restore("best")
     if getattr(self._state, "best_eval_metric_value", None) is None:
-      self._state.best_eval_metric_value = -math.inf if self._higher_is_better else math.inf
+      self._state.best_eval_metric_value = worst
+    self._state.best_model_eval_metric = self._metric  # The config's, should it have changed.
     self._state.experiment_module = experiment
     logging.info("[jaxline_ng] Best %s so far: %s", self._metric,
                  self._state.best_eval_metric_value)

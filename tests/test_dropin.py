@@ -337,3 +337,56 @@ def test_an_overridden_snapshot_state_is_not_called_empty(caplog):
   assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest.experiment_module.total == 6
   assert "declares no CHECKPOINT_ATTRS" not in caplog.text
   assert "Checkpointed state: what SnapshotOverride.snapshot_state returns" in caplog.text
+
+
+class JaxlineStyleCheckpointer:
+  """How users copied jaxline's InMemoryCheckpointer into their own code: `restore`
+  sets the entries the live state has, the experiment through `restore_from_snapshot`.
+  Its series live in `store`, so they outlive the checkpointer (as files would)."""
+
+  def __init__(self, store):
+    self._store = store
+    self._states = {}
+    self.saves = []
+
+  def get_experiment_state(self, series):
+    return self._states.setdefault(series, config_dict.ConfigDict())
+
+  def save(self, series):
+    state = self.get_experiment_state(series)
+    self._store.setdefault(series, []).append({
+        name: value.snapshot_state() if name == "experiment_module"
+        else jax.tree.map(utils.maybe_device_get, value) for name, value in state.items()})
+    self.saves.append((series, state.global_step))
+
+  def can_be_restored(self, series):
+    return bool(self._store.get(series))
+
+  def restore(self, series):
+    saved, state = self._store[series][-1], self.get_experiment_state(series)
+    for name, value in state.items():
+      if name == "experiment_module":
+        value.restore_from_snapshot(saved[name])
+      else:
+        state[name] = saved[name]
+
+  def restore_path(self, series):
+    return len(self._store[series]) if self.can_be_restored(series) else None
+
+  def wait_for_checkpointing_to_finish(self):
+    pass
+
+
+def test_a_restarted_evaluator_restores_best_through_a_jaxline_style_checkpointer():
+  """jaxline restores `best` into a state holding the experiment and the metric."""
+  store = {}
+  config = make_config(best_model_eval_metric="w", save_checkpoint_interval=0)
+  train.train(NoInitRng, config, JaxlineStyleCheckpointer(store), None)
+  first = JaxlineStyleCheckpointer(store)
+  train.evaluate(NoInitRng, config, first, None, jaxline_mode="eval")
+  assert first.saves == [("best", 3)]
+  assert store["best"][-1]["best_model_eval_metric"] == "w"  # In the state, as jaxline's.
+  restarted = JaxlineStyleCheckpointer(store)
+  train.evaluate(NoInitRng, config, restarted, None, jaxline_mode="eval")
+  assert restarted.get_experiment_state("best").best_eval_metric_value == 3.0
+  assert restarted.saves == []  # The same value again is no new best.
