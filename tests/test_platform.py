@@ -218,3 +218,38 @@ def test_main_without_app_run_takes_config_overrides_from_its_argv(tmp_path):
                           timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert "training_steps 7" in result.stdout, result.stderr[-2000:]
   assert "--jaxline_mode='bogus'" in result.stderr
+
+
+def test_an_eval_job_follows_an_in_memory_subclass_that_finds_checkpoints_elsewhere(
+    tmp_path, monkeypatch):
+  """A user's InMemoryCheckpointer whose `restore_path` picks up what another job
+  saves (here: a snapshot more at every other poll) is followed as jaxline follows
+  any checkpointer, to the checkpoint that ends training."""
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import threading  # pylint: disable=import-outside-toplevel
+  import toy  # pylint: disable=import-outside-toplevel
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.training_steps = 3
+  config.save_checkpoint_interval = 1
+  config.eval_poll_interval_secs = 0.01
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    platform.main(toy.Experiment, [])
+  snapshots = list(utils.GLOBAL_CHECKPOINT_DICT["latest"].history)
+  to_come = snapshots[1:]
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT",
+                      {"latest": utils.CheckpointNT(threading.local(), snapshots[:1])})
+  polls = []
+
+  class FindsMoreLater(utils.InMemoryCheckpointer):
+
+    def restore_path(self, ckpt_series):
+      polls.append(ckpt_series)
+      if to_come and len(polls) % 2 == 0:
+        utils.GLOBAL_CHECKPOINT_DICT[ckpt_series].history.append(to_come.pop(0))
+      return super().restore_path(ckpt_series)
+
+  with flagsaver.flagsaver(config=config, jaxline_mode="eval"):
+    platform.main(toy.Experiment, [], checkpointer_factory=FindsMoreLater)
+  assert [row["step"] for row in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [1, 2, 3]
