@@ -133,6 +133,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     value = config[key]
     if value is None and key != "interval_type":
       continue
+    if value is None and config.logging_interval_type and config.checkpoint_interval_type:
+      continue  # Both keys that override it are set, so nothing reads it (as in jaxline).
     if value not in INTERVAL_TYPES:
       raise ConfigError(
           f"config.{key}={value!r} is not an interval type; expected one of "

@@ -61,6 +61,18 @@ def test_interval_type_overrides_are_settable_from_the_command_line(monkeypatch)
   base_config.validate_config(config)
 
 
+def test_interval_type_may_be_none_when_both_overrides_are_set():
+  """kfac-jax's configs: jaxline used `specific or interval_type`, so None is unused there."""
+  config = base_config.get_base_config()
+  config.interval_type = None
+  config.logging_interval_type = "steps"
+  config.checkpoint_interval_type = "steps"
+  base_config.validate_config(config)
+  config.checkpoint_interval_type = None
+  with pytest.raises(base_config.ConfigError, match="config.interval_type=None"):
+    base_config.validate_config(config)
+
+
 def test_missing_base_key_is_named():
   config = base_config.get_base_config()
   del config["random_mode_eval"]
