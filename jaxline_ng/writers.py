@@ -323,7 +323,8 @@ def _summary_value_bytes(tag: str, value: float) -> bytes:
 class JsonlWriter:
   """Appends one JSON object per `write_scalars` call to a file, synchronously.
 
-  Each line is `{"step": <int>, "<name>": <number>, ...}`. Integer values stay
+  Each line is `{"step": <int>, "<name>": <number>, ...}`, a scalar itself
+  named "step" written as "scalar/step". Integer values stay
   integers, all others become floats; NaN and infinities are written as
   `NaN`, `Infinity` and `-Infinity`, as Python's `json` does: Python and
   pandas read them back, strict RFC 8259 parsers reject them. Lines are kept
@@ -343,7 +344,10 @@ class JsonlWriter:
     if self._closed:
       raise ValueError(f"JsonlWriter({self._path!r}) is closed.")
     if "step" in scalars:
-      raise ValueError('"step" is reserved for the global step in JSONL rows.')
+      # The row's "step" is the global step; a scalar of that name (kfac-jax
+      # returns its optimizer's step counter, which jaxline wrote as is) goes beside it.
+      scalars = {("scalar/step" if name == "step" else name): value
+                 for name, value in scalars.items()}
     if self._file is None:
       # Opened here, not at flush, so a bad path fails the first write.
       os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from unittest import mock
 
 import pytest
@@ -226,7 +227,6 @@ def test_an_eval_job_follows_an_in_memory_subclass_that_finds_checkpoints_elsewh
   saves (here: a snapshot more at every other poll) is followed as jaxline follows
   any checkpointer, to the checkpoint that ends training."""
   sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-  import threading  # pylint: disable=import-outside-toplevel
   import toy  # pylint: disable=import-outside-toplevel
   config = toy.get_config()
   config.checkpoint_dir = str(tmp_path)

@@ -246,8 +246,9 @@ def test_jsonl_writer(tmp_path):
   assert type(first["n"]) is int and type(first["loss"]) is float
   assert math.isnan(second["loss"]) and second["big"] == math.inf
 
-  with pytest.raises(ValueError, match="reserved"):
-    writer.write_scalars(3, {"step": 1})
+  writer.write_scalars(3, {"step": 7, "loss": 1.0})  # A scalar named "step" (kfac-jax's).
+  writer.flush()
+  assert _read_jsonl(path)[-1] == {"step": 3, "scalar/step": 7, "loss": 1.0}
   # Past the buffer size, lines are written out unprompted, but only whole.
   for step in range(10, 2010):
     writer.write_scalars(step, {"loss": step / 3})
@@ -256,7 +257,7 @@ def test_jsonl_writer(tmp_path):
 
   writer.close()
   writer.close()
-  assert [row["step"] for row in _read_jsonl(path)] == [1, 2, *range(10, 2010)]
+  assert [row["step"] for row in _read_jsonl(path)] == [1, 2, 3, *range(10, 2010)]
   with pytest.raises(ValueError, match="closed"):
     writer.write_scalars(3, {"loss": 0.0})
 
