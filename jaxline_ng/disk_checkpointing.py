@@ -437,15 +437,19 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
       f"{None if live_treedef is None else live_treedef.num_leaves}")
 
 
-def _read_arrays(path: str, live_nest: dict[str, Any], together: bool):
+def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training: bool):
   """`_load` up to the checksums: what every process does on its own."""
   meta = _read_meta(path, together)
   live = _named_entries(live_nest)
   wants_module = "experiment_module" in live_nest
   entries = meta["entries"]
+  unlisted = set()  # Entries an evaluator's experiment does not checkpoint: not read.
   for name in entries:
     if name.startswith(_MODULE_PREFIX):
       if wants_module and name not in live:
+        if not training:  # As jaxline: e.g. CHECKPOINT_ATTRS without the optimizer in eval.
+          unlisted.add(name)
+          continue
         raise UnusableCheckpoint(f"it holds experiment_module/{name[len(_MODULE_PREFIX):]}, "
                                  "which the experiment does not checkpoint")
     elif name not in _STATE_ATTRS and name not in live:
@@ -457,7 +461,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool):
       raise UnusableCheckpoint(f"it lacks {', '.join(missing)}, which the experiment checkpoints")
 
   def wanted(name):
-    return wants_module or not name.startswith(_MODULE_PREFIX)
+    return (wants_module and name not in unlisted) or not name.startswith(_MODULE_PREFIX)
 
   # The orbax tree to restore: one target per array of the entries wanted.
   targets: dict[str, Any] = {}
@@ -530,7 +534,8 @@ def _load(path: str, live_nest: dict[str, Any], together: bool = False,
   """
   error = None
   try:
-    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, together)
+    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, together,
+                                                             training)
     values = [at(tree_path) for tree_path, *_ in expected]
   except CheckpointRefused:
     raise

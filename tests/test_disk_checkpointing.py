@@ -359,6 +359,40 @@ def test_an_eval_mode_that_holds_none_restores_it_as_jaxline_does(tmp_path):
   _assert_same_arrays(restored._opt_state, trained._opt_state)  # pylint: disable=protected-access
 
 
+class EvalListsFewerAttributes(Rich):
+  """kfac-jax's pattern: CHECKPOINT_ATTRS, a property, leaves the optimizer out in eval."""
+
+  @property
+  def CHECKPOINT_ATTRS(self):  # pylint: disable=invalid-name  (jaxline's name)
+    attrs = dict(Rich.CHECKPOINT_ATTRS)
+    if self.mode != "train":
+      del attrs["_opt_state"]
+    return attrs
+
+
+def test_an_eval_mode_that_checkpoints_fewer_attributes_restores_those(tmp_path):
+  config = disk_config(tmp_path, 4)
+  trained = run(config)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "eval")
+  train.evaluate(EvalListsFewerAttributes, config, checkpointer, None, jaxline_mode="eval")
+  restored = checkpointer.get_experiment_state("latest").experiment_module
+  assert checkpointer.get_experiment_state("latest").global_step == 4
+  _assert_same_arrays(restored._params, trained._params)  # pylint: disable=protected-access
+
+
+class TrainsFewerAttributes(Rich):
+  CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state"}
+
+
+def test_training_refuses_a_checkpoint_holding_attributes_it_does_not_checkpoint(tmp_path):
+  run(disk_config(tmp_path, 4))
+  config = disk_config(tmp_path, 6)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match="moments, which the experiment does not checkpoint"):
+    train.train(TrainsFewerAttributes, config,
+                disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
 def _assert_same_arrays(got, want):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(utils.get_first(got)), jax.tree.leaves(utils.get_first(want))):
