@@ -108,9 +108,11 @@ def initialize_if_requested() -> bool:
       raise MultihostError(
           f"--jaxline_num_processes={num_processes} needs --jaxline_coordinator_address "
           "(or $JAX_COORDINATOR_ADDRESS)")
-    if not _COORDINATOR.value.rpartition(":")[2].isdigit():
+    port = _COORDINATOR.value.rpartition(":")[2]
+    if not port.isdigit() or not 0 < int(port) < 65536:
       raise MultihostError(
-          f"--jaxline_coordinator_address={_COORDINATOR.value} must be host:port")
+          f"--jaxline_coordinator_address={_COORDINATOR.value} must be host:port, "
+          "the port in 1..65535")
     if _PROCESS_ID.value is None or not 0 <= _PROCESS_ID.value < num_processes:
       raise MultihostError(
           f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "

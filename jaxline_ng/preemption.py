@@ -118,9 +118,48 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
         _act_on_signal(signum)
 
 
+# While `stop_on_signals` holds the handlers: (the handlers it replaced, the
+# wake-up fd it replaced, its pipe's read fd, its pipe's write fd).
+_held: list = [None]
+
+
 def _noted(signum, frame) -> None:
-  """The Python-level handler: the signal was already acted on by `_watch_signals`."""
-  del signum, frame
+  """The Python-level handler, on the main thread: `_watch_signals` acts on the
+  signal, unless code run since took the wake-up fd (an asyncio loop's
+  `add_signal_handler` does, and leaves -1 when the loop closes). Then the
+  watcher never heard of it, and it is acted on here; a -1 is taken back.
+  """
+  del frame
+  if _held[0] is None:
+    return
+  replaced, _, _, write_fd = _held[0]
+  current = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  if current == write_fd:
+    return
+  if current != -1:
+    signal.set_wakeup_fd(current)  # Its owner keeps it; signals keep coming here.
+  if signum in replaced:
+    _act_on_signal(signum)
+
+
+def _release_in_forked_child() -> None:
+  """A child forked during the run (multiprocessing's default on Linux: data
+  loaders, pools) has no watcher thread but shares the pipe: its signals would
+  stop the parent's run, and it would ignore them. It gets the handlers and
+  wake-up fd of before the run back."""
+  held, _held[0] = _held[0], None
+  if held is None:
+    return
+  replaced, replaced_fd, read_fd, write_fd = held
+  for signum, handler in replaced.items():
+    signal.signal(signum, handler)
+  signal.set_wakeup_fd(replaced_fd)
+  for fd in (read_fd, write_fd):
+    with contextlib.suppress(OSError):
+      os.close(fd)
+
+
+os.register_at_fork(after_in_child=_release_in_forked_child)
 
 
 @contextlib.contextmanager
@@ -152,11 +191,13 @@ def stop_on_signals(sigterm_to_jax: bool = False):
   watcher = threading.Thread(target=_watch_signals, name="jaxline_ng_signals", daemon=True,
                              args=(read_fd, frozenset(previous), previous_fd))
   watcher.start()
+  _held[0] = (previous, previous_fd, read_fd, write_fd)
   _notice_through_jax[0] = sigterm_to_jax
   try:
     yield
   finally:
     _notice_through_jax[0] = False
+    _held[0] = None
     for signum, handler in previous.items():
       signal.signal(signum, handler)
     signal.set_wakeup_fd(previous_fd)

@@ -135,6 +135,9 @@ def test_a_process_given_another_process_count_stops_at_once_naming_the_flag(tmp
     (["--jaxline_num_processes=2", "--jaxline_process_id=0",
       "--jaxline_coordinator_address=localhost"],
      "--jaxline_coordinator_address=localhost must be host:port"),
+    (["--jaxline_num_processes=2", "--jaxline_process_id=0",
+      "--jaxline_coordinator_address=localhost:99999"],
+     "--jaxline_coordinator_address=localhost:99999 must be host:port, the port in 1..65535"),
     (["JAX_NUM_PROCESSES=abc"], "$JAX_NUM_PROCESSES='abc' is not an integer"),
 ])
 def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
