@@ -149,19 +149,20 @@ SIGTERM_TO_ANOTHER_THREAD = (
     "  threading.Thread(target=send, daemon=True).start()\n")
 
 
-def slow_experiment_script(tmp_path, body):
-  """A script running the toy experiment with `body` as the class's body."""
-  script = tmp_path / "slow.py"
+def experiment_script(tmp_path, body):
+  """A script running a subclass of the toy experiment with `body` as its class body."""
+  script = tmp_path / "variant.py"
   script.write_text(
-      "import functools, sys, time\n"
+      "import functools, sys\n"
       f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
+      "import jax, jax.numpy as jnp\n"
       "import toy\n"
       "from absl import app\n"
       "from jaxline_ng import platform\n"
       + SIGTERM_TO_ANOTHER_THREAD +
-      "class Slow(toy.Experiment):\n"
+      "class Variant(toy.Experiment):\n"
       + "".join(f"  {line}\n" for line in body.splitlines()) +
-      "app.run(functools.partial(platform.main, Slow))\n")
+      "app.run(functools.partial(platform.main, Variant))\n")
   return str(script)
 
 
@@ -169,7 +170,7 @@ def slow_experiment_script(tmp_path, body):
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
 def test_sigterm_to_an_eval_job_waiting_for_checkpoints_exits_75_at_once(tmp_path, mode,
                                                                          to_thread):
-  script = slow_experiment_script(tmp_path, (
+  script = experiment_script(tmp_path, (
       "def __init__(self, mode, init_rng, **kwargs):\n"
       "  super().__init__(mode, init_rng, **kwargs)\n"
       f"  if {to_thread}:\n"
@@ -194,7 +195,7 @@ def test_sigterm_to_train_eval_multithreaded_exits_75(tmp_path):
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
 def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path, to_thread):
   # Only the final save snapshots: periodic saves are off.
-  script = slow_experiment_script(tmp_path, (
+  script = experiment_script(tmp_path, (
       "def snapshot_state(self):\n"
       f"  if {to_thread}:\n"
       "    sigterm_to_another_thread(1)\n"
@@ -214,22 +215,6 @@ def test_eval_job_with_in_memory_checkpoints_evaluates_initial_weights_and_ends(
                    "--config.eval_initial_weights=True"), timeout=60)
   assert result.returncode == 0, result.stderr[-3000:]
   assert [r["step"] for r in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [0]
-
-
-def experiment_script(tmp_path, body):
-  """A script running a subclass of the toy experiment with `body` as its class body."""
-  script = tmp_path / "variant.py"
-  script.write_text(
-      "import functools, sys\n"
-      f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
-      "import jax, jax.numpy as jnp\n"
-      "import toy\n"
-      "from absl import app\n"
-      "from jaxline_ng import platform\n"
-      "class Variant(toy.Experiment):\n"
-      + "".join(f"  {line}\n" for line in body.splitlines()) +
-      "app.run(functools.partial(platform.main, Variant))\n")
-  return str(script)
 
 
 def one_line_error(result, culprit):
