@@ -14,7 +14,6 @@ pmap-replicated: one copy is checkpointed and it is restored replicated.
 """
 
 import abc
-import contextlib
 import functools
 import inspect
 import math
@@ -223,7 +222,7 @@ def evaluate_should_return_dict(f):
   return call
 
 
-class log_activity(contextlib.ContextDecorator):  # pylint: disable=invalid-name  (jaxline's name)
+class log_activity:  # pylint: disable=invalid-name  (jaxline's name)
   """Logs the start, end and duration of an activity, and a failure with its traceback.
 
   A context manager, and a decorator as jaxline's (a `contextlib.contextmanager`) was.
@@ -232,9 +231,14 @@ class log_activity(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   def __init__(self, activity_name: str):
     self._name = activity_name
 
-  def _recreate_cm(self):
-    # A decorated function's calls may overlap (threads, recursion): each gets its own clock.
-    return type(self)(self._name)
+  def __call__(self, f):
+    @functools.wraps(f)
+    def logged(*args, **kwargs):
+      # A context of its own per call: calls may overlap (threads, recursion).
+      with log_activity(self._name):
+        return f(*args, **kwargs)
+
+    return logged
 
   def __enter__(self):
     logging.info("[jaxline_ng] %s starting...", self._name)
