@@ -246,7 +246,7 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
                                       f"name {'/'.join(tree_path)} is taken by another array")
         names.add("/".join(tree_path))
         arrays.append((tree_path, leaf))
-        # Orbax gives a NumPy scalar back as a 0-d array; the mark turns it back.
+        # Marked: orbax gives a NumPy scalar back as a 0-d array.
         leaves.append({"array": tree_path, **({"numpy_scalar": True}
                                               if isinstance(leaf, np.generic) else {})})
       elif isinstance(leaf, _PLAIN_VALUES):
@@ -561,13 +561,17 @@ def _load(path: str, live_nest: dict[str, Any], together: bool = False,
       raise UnusableCheckpoint(f"array {'/'.join(tree_path)} does not match the checksum "
                                "written with it (damaged after saving)")
 
+  def leaf_value(leaf):
+    if "array" not in leaf:
+      return leaf["value"]
+    # Orbax gives a NumPy scalar back as a 0-d array; its mark turns it back.
+    return at(leaf["array"])[()] if leaf.get("numpy_scalar") else at(leaf["array"])
+
   nest: dict[str, Any] = {}
   for name, entry in entries.items():
     if not wanted(name):
       continue
-    leaves = [leaf["value"] if "array" not in leaf else
-              at(leaf["array"])[()] if leaf.get("numpy_scalar") else at(leaf["array"])
-              for leaf in entry["leaves"]]
+    leaves = [leaf_value(leaf) for leaf in entry["leaves"]]
     value = _value_for(entry, leaves, live.get(name), name, training)
     if name.startswith(_MODULE_PREFIX):
       nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value

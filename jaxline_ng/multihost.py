@@ -118,7 +118,7 @@ def initialize_if_requested() -> bool:
           f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "
           "(or set $JAX_PROCESS_ID)")
     if _PROCESS_ID.value == 0:
-      _refuse_a_taken_port(_COORDINATOR.value)
+      _refuse_a_taken_port(int(port))
   # The wait for every process to join cannot fail early (a peer may start
   # minutes late) and JAX's timeout aborts the process without a word: say
   # what it waits for, so a process that never comes is found from this line.
@@ -137,8 +137,8 @@ def initialize_if_requested() -> bool:
   return True
 
 
-def _refuse_a_taken_port(address: str) -> None:
-  """Raises MultihostError if process 0's coordinator port is in use on this host.
+def _refuse_a_taken_port(port: int) -> None:
+  """Raises MultihostError if process 0's coordinator `port` is in use on this host.
 
   JAX's coordination service (a gRPC server) listens with SO_REUSEPORT, so
   on a port another one holds (process 0 of an earlier run still alive, or
@@ -146,7 +146,6 @@ def _refuse_a_taken_port(address: str) -> None:
   the processes between the two services, and the run hangs until the join
   timeout or aborts naming nothing. A bind without SO_REUSEPORT fails there.
   """
-  port = int(address.rpartition(":")[2])
   # "::" also covers IPv4 on a dual-stack host; without IPv6, 0.0.0.0 decides.
   for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
     try:
@@ -161,8 +160,8 @@ def _refuse_a_taken_port(address: str) -> None:
         if e.errno != errno.EADDRINUSE:
           continue
         raise MultihostError(
-            f"--jaxline_coordinator_address={address}: port {port} is in use on this host "
-            "(process 0 of another run still alive, or two processes given "
+            f"--jaxline_coordinator_address={_COORDINATOR.value}: port {port} is in use on "
+            "this host (process 0 of another run still alive, or two processes given "
             "--jaxline_process_id=0?)") from None
       return
 
