@@ -10,9 +10,9 @@ lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
   holds one copy of pmap-replicated state, without a device axis, and
   reads with orbax alone: `ocp.StandardCheckpointer().restore(<step>/state)`.
 - `meta`: JSON with the snapshot's plain Python values, the skeleton each
-  entry was made of (dicts, lists, tuples, NamedTuples by class name), the
-  topology that wrote it, a checksum of every array (`fingerprint`) and a
-  digest of the JSON itself.
+  entry was made of (dicts, lists, tuples; NamedTuples and pytree
+  dataclasses by class name), the topology that wrote it, a checksum of
+  every array (`fingerprint`) and a digest of the JSON itself.
 
 Saving takes fresh on-device copies of the state on the calling thread (so
 donation and later steps cannot change them) and dispatches each array's
@@ -32,6 +32,7 @@ one aside (kept, under `<series>.unusable/`) so later saves go past its step.
 """
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging as python_logging
@@ -117,9 +118,10 @@ def _skeleton(value: Any) -> Any:
 
   Leaves become {"leaf": i} (their index among the entry's leaves), so the
   skeleton plus the leaves rebuild the value. A NamedTuple (an optax state)
-  is described by its class's name: jaxline experiments often build such
-  state in the first step unless a restore already set it, so a restore
-  must recreate it without a live value to copy the structure from.
+  or a dataclass registered as a pytree of its fields (kfac-jax's optimizer
+  state) is described by its class's name: jaxline experiments often build
+  such state in the first step unless a restore already set it, so a
+  restore must recreate it without a live value to copy the structure from.
   """
   counter = iter(range(1 << 62))
 
@@ -135,8 +137,10 @@ def _skeleton(value: Any) -> Any:
     if type(node) in (list, tuple):
       return {type(node).__name__: [describe(v) for v in node]}
     if isinstance(node, tuple) and hasattr(type(node), "_fields"):
-      return {"namedtuple": f"{type(node).__module__}:{type(node).__qualname__}",
-              "fields": [describe(v) for v in node]}
+      return {"namedtuple": _class_name(node), "fields": [describe(v) for v in node]}
+    if _is_pytree_dataclass(node):
+      return {"dataclass": _class_name(node),
+              "fields": [[name, describe(getattr(node, name))] for name in _init_fields(node)]}
     if isinstance(node, (jax.Array, np.ndarray, np.generic, *_PLAIN_VALUES)):
       return {"leaf": next(counter)}
     raise TypeError
@@ -147,28 +151,55 @@ def _skeleton(value: Any) -> Any:
     return None
 
 
+def _class_name(node: Any) -> str:
+  return f"{type(node).__module__}:{type(node).__qualname__}"
+
+
+def _init_fields(node_or_class: Any) -> list[str]:
+  return [field.name for field in dataclasses.fields(node_or_class) if field.init]
+
+
+def _is_pytree_dataclass(node: Any) -> bool:
+  """Whether `node` is a dataclass that JAX flattens into exactly the fields
+  its constructor takes, in their order, so that `cls(**fields)` rebuilds it.
+  (Fields JAX keeps as static metadata are not arrays a checkpoint can hold.)"""
+  if not dataclasses.is_dataclass(node) or isinstance(node, type):
+    return False
+  children = jax.tree.leaves(node, is_leaf=lambda child: child is not node)
+  fields = [getattr(node, name) for name in _init_fields(node)]
+  return len(children) == len(fields) and all(a is b for a, b in zip(children, fields))
+
+
 class _NotImported(LookupError):
-  """A skeleton's NamedTuple class is not among this program's imported classes."""
+  """A skeleton's class is not among this program's imported classes."""
 
 
-def _namedtuple_class(name: str, num_fields: int) -> type:
-  """The NamedTuple class `module:qualname`, looked up in the modules already
-  imported: a checkpoint never makes the program import or run anything."""
+def _imported_class(kind: str, name: str, fits: Callable[[type], bool]) -> type:
+  """The `kind` class `module:qualname`, looked up in the modules already
+  imported (a checkpoint never makes the program import anything), if it `fits`."""
   module_name, _, qualname = name.partition(":")
   cls = sys.modules.get(module_name)
   for part in qualname.split("."):
     cls = getattr(cls, part, None)
-  if not (isinstance(cls, type) and issubclass(cls, tuple)
-          and len(getattr(cls, "_fields", ())) == num_fields):
-    raise _NotImported(name)
+  if not (isinstance(cls, type) and fits(cls)):
+    raise _NotImported(f"{kind} class {name}")
   return cls
 
 
 def _rebuild(skeleton: Any, leaves: list) -> Any:
   """The value `skeleton` describes, with `leaves`; raises _NotImported."""
   if "namedtuple" in skeleton:
-    cls = _namedtuple_class(skeleton["namedtuple"], len(skeleton["fields"]))
+    cls = _imported_class("NamedTuple", skeleton["namedtuple"], lambda cls: issubclass(
+        cls, tuple) and len(getattr(cls, "_fields", ())) == len(skeleton["fields"]))
     return cls(*(_rebuild(v, leaves) for v in skeleton["fields"]))
+  if "dataclass" in skeleton:
+    names = [name for name, _ in skeleton["fields"]]
+    cls = _imported_class("dataclass", skeleton["dataclass"],
+                          lambda cls: dataclasses.is_dataclass(cls) and _init_fields(cls) == names)
+    value = cls(**{name: _rebuild(v, leaves) for name, v in skeleton["fields"]})
+    if not _is_pytree_dataclass(value):  # No longer registered with JAX as it was.
+      raise _NotImported(f"dataclass class {skeleton['dataclass']}")
+    return value
   if "none" in skeleton:
     return None
   if "leaf" in skeleton:
@@ -183,8 +214,8 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
 
 
 def _names_classes(skeleton: Any) -> bool:
-  """Whether `skeleton` has a NamedTuple, whose class only the experiment's program has."""
-  if "namedtuple" in skeleton:
+  """Whether `skeleton` names a class, which only the experiment's program has."""
+  if "namedtuple" in skeleton or "dataclass" in skeleton:
     return True
   children = (skeleton.get("list") or skeleton.get("tuple") or skeleton.get("dict", {}).values()
               or [child for _, child in skeleton.get("ordered_dict", ())])
@@ -402,7 +433,7 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
 
   An entry the experiment holds as None is restored when its skeleton
   rebuilds it, as jaxline restores every checkpointed attribute. When it
-  cannot be (a type other than containers and imported NamedTuples), an
+  cannot be (a type other than containers and imported classes), an
   evaluation mode keeps None (an optimizer state it does not use) with a
   warning, and training refuses: the experiment would build the state
   afresh in its first step and train from fresh weights at the saved step.
@@ -423,8 +454,9 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
     return jax.tree.unflatten(live_treedef, leaves)
   if live is None and name.startswith(_MODULE_PREFIX):
     if training:
-      why = (f"its NamedTuple class {missing_class} is not imported (or has other fields)"
-             if missing_class else "its type is not a dict, list, tuple or NamedTuple")
+      why = (f"its {missing_class} is not imported (or has other fields)"
+             if missing_class else
+             "its type is not a dict, list, tuple, NamedTuple or pytree dataclass")
       raise CheckpointRefused(
           f"checkpoint entry {name} cannot be restored: the experiment holds None there and "
           f"{why}; create it in __init__ so that training resumes it rather than starting it "

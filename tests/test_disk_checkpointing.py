@@ -1,6 +1,8 @@
 """Durable checkpoints: format, atomicity, fallback, resume, restore_path."""
 
 import collections
+import dataclasses
+import functools
 import os
 import shutil
 
@@ -457,6 +459,109 @@ def test_training_refuses_state_it_cannot_rebuild_rather_than_start_it_afresh(tm
                            r"imported"):
     _train(BuiltFromLocalClass, disk_config(tmp_path, 6))
   assert series_steps(tmp_path) == [2, 4]  # Nothing was moved aside or overwritten.
+
+
+class State:
+  """kfac-jax's way of making state a pytree: dataclasses flattened by field name."""
+
+  def tree_flatten(self):
+    names = tuple(field.name for field in dataclasses.fields(self))
+    return tuple(getattr(self, name) for name in names), names
+
+  @classmethod
+  def tree_unflatten(cls, names, children):
+    return cls(**dict(zip(names, children)))
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass
+class SecondMoment(State):
+  raw_value: jax.Array
+  weight: jax.Array
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass
+class OptimizerState(State):
+  """The shape of kfac-jax's `Optimizer.State`: nested state, an optax state, a None."""
+  velocities: optax.OptState
+  estimator: SecondMoment
+  damping: jax.Array | None
+  step_counter: jax.Array
+
+
+class KfacStyleStateBuiltInFirstStep(experiment.AbstractExperiment):
+  """kfac-jax's examples build the optimizer state in the first step unless a
+  restore has set it already."""
+  CHECKPOINT_ATTRS = {"_opt_state": "opt_state"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._opt_state = None
+
+    def update(state):
+      return OptimizerState(
+          velocities=jax.tree.map(lambda v: v + 0.5, state.velocities),
+          estimator=SecondMoment(state.estimator.raw_value * 2.0 + 1.0,
+                                 state.estimator.weight + 1.0),
+          damping=None, step_counter=state.step_counter + 1)
+
+    self._update = jax.pmap(update, axis_name="i")
+
+  def step(self, **unused):
+    if self._opt_state is None:
+      self._opt_state = utils.bcast_local_devices(OptimizerState(
+          velocities=optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(3)}),
+          estimator=SecondMoment(jnp.zeros((2, 2)), jnp.zeros(())), damping=None,
+          step_counter=jnp.zeros((), jnp.int32)))
+    self._opt_state = self._update(self._opt_state)
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+def test_a_pytree_dataclass_built_in_the_first_step_resumes(tmp_path):
+  uninterrupted = _train(KfacStyleStateBuiltInFirstStep, disk_config(tmp_path / "once", 6))
+  _train(KfacStyleStateBuiltInFirstStep, disk_config(tmp_path / "twice", 4))
+  resumed = _train(KfacStyleStateBuiltInFirstStep, disk_config(tmp_path / "twice", 6))
+  state = utils.get_first(resumed._opt_state)  # pylint: disable=protected-access
+  assert type(state) is OptimizerState and type(state.estimator) is SecondMoment
+  assert state.damping is None and int(state.step_counter) == 6
+  _assert_same_arrays(resumed._opt_state, uninterrupted._opt_state)  # pylint: disable=protected-access
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["value"],
+                   meta_fields=["name"])
+@dataclasses.dataclass
+class NamedValue:
+  value: jax.Array
+  name: str
+
+
+class MetaFieldStateBuiltInFirstStep(experiment.AbstractExperiment):
+  CHECKPOINT_ATTRS = {"_state": "state"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._state = None
+
+  def step(self, **unused):
+    if self._state is None:
+      self._state = utils.bcast_local_devices(NamedValue(jnp.zeros(()), "counter"))
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+def test_training_refuses_a_dataclass_with_static_fields_it_cannot_rebuild(tmp_path):
+  _train(MetaFieldStateBuiltInFirstStep, disk_config(tmp_path, 2))
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match="experiment_module/state cannot be restored: the experiment holds "
+                           "None there and its type is not a dict, list, tuple, NamedTuple or "
+                           "pytree dataclass"):
+    _train(MetaFieldStateBuiltInFirstStep, disk_config(tmp_path, 4))
 
 
 @pytest.mark.parametrize("error", [
