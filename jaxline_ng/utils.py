@@ -8,6 +8,12 @@ as `utils.GLOBAL_CHECKPOINT_DICT`; the in-memory checkpointer looks it up on
 this module at call time.
 """
 
+# jaxline's utils module had these as attributes, and tests written for it
+# patch through them: `mock.patch.object(utils.jax, "process_index", ...)`,
+# `mock.patch("jaxline.utils.logging.info")`; `utils.chex` is below.
+import jax  # noqa: F401
+from absl import logging  # noqa: F401
+
 from jaxline_ng.checkpointing import (
     Checkpointer,
     CheckpointNT,
@@ -25,6 +31,15 @@ from jaxline_ng.rng import DistributedRNGMode, host_id_devices_for_rng, speciali
 from jaxline_ng.writers import Writer
 
 GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
+
+
+def __getattr__(name: str):
+  """`utils.chex`, imported when first asked for, as tests patch
+  `utils.chex.fake_pmap_and_jit`; only debugging runs need chex otherwise."""
+  if name == "chex":
+    import chex  # pylint: disable=import-outside-toplevel
+    return chex
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CheckpointNT", "Checkpointer", "DistributedRNGMode", "GLOBAL_CHECKPOINT_DICT",
