@@ -223,9 +223,11 @@ def evaluate_should_return_dict(f):
 
 
 class log_activity:  # pylint: disable=invalid-name  (jaxline's name)
-  """Logs the start, end and duration of an activity, and a failure with its traceback.
+  """Logs the start and end of an activity, and a failure with its traceback.
 
-  A context manager, and a decorator as jaxline's (a `contextlib.contextmanager`) was.
+  A context manager, and a decorator as jaxline's (a `contextlib.contextmanager`)
+  was. Its lines are jaxline's, word for word (jaxline's tests and log readers
+  match them), where every other line of jaxline_ng's starts `[jaxline_ng]`.
   """
 
   def __init__(self, activity_name: str):
@@ -241,22 +243,19 @@ class log_activity:  # pylint: disable=invalid-name  (jaxline's name)
     return logged
 
   def __enter__(self):
-    logging.info("[jaxline_ng] %s starting...", self._name)
-    self._start = time.perf_counter()
+    logging.info("[jaxline] %s starting...", self._name)
 
   def __exit__(self, exc_type, exc, tb):
-    elapsed = time.perf_counter() - self._start
     if exc_type is None:
-      logging.info("[jaxline_ng] %s finished (%.2fs).", self._name, elapsed)
+      logging.info("[jaxline] %s finished.", self._name)
     elif getattr(exc, "one_line", False):  # Bad input or output: the message says it all.
-      logging.error("[jaxline_ng] %s failed after %.2fs: %s", self._name, elapsed, exc)
+      logging.error("[jaxline] %s failed: %s", self._name, exc)
     elif issubclass(exc_type, Exception) and not issubclass(exc_type, preemption.Preempted):
       # The traceback is logged here, where the activity is named: a failure
       # on a background thread may be re-raised far from it, or not at all.
-      logging.exception("[jaxline_ng] %s failed after %.2fs.", self._name, elapsed)
+      logging.exception("[jaxline] %s failed with error.", self._name)
     else:  # A requested stop, KeyboardInterrupt, SystemExit: not a failure to explain.
-      logging.warning("[jaxline_ng] %s stopped after %.2fs: %s", self._name, elapsed,
-                      exc or exc_type.__name__)
+      logging.warning("[jaxline] %s stopped: %s", self._name, exc or exc_type.__name__)
     return False
 
 

@@ -142,10 +142,10 @@ def test_digits_smoke_train_eval_multithreaded(runs):
   assert any("eval_accuracy_per_class/0" in row for row in run.metrics("eval"))
   # TensorBoard event files hold the scalars and the misclassified-digits image.
   assert list((run.checkpoint_dir / "eval").glob("events.out.tfevents.*"))
-  # Every run logs the size of what it checkpoints and how long init took.
+  # Every run logs the size of what it checkpoints and when init finished.
   log = run.log_path.read_text()
   assert "Checkpointed state: params: " in log and " bytes" in log
-  assert "experiment init finished (" in log
+  assert "[jaxline] experiment init finished." in log
 
 
 # --- char_lm -----------------------------------------------------------------

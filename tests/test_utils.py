@@ -3,10 +3,13 @@
 import subprocess
 import sys
 import threading
+from unittest import mock
 
 import jax
 import numpy as np
 import pytest
+from absl import flags
+from absl.testing import flagsaver
 
 from jaxline_ng import utils
 
@@ -98,6 +101,32 @@ def test_parameters_keep_jaxlines_names():
   assert utils.kwargs_only(f=lambda **kw: kw)(a=1) == {"a": 1}
   assert utils.evaluate_should_return_dict(f=lambda: None)() == {}
   assert utils.debugger_fallback(f=lambda: 2)() == 2
+
+
+def test_log_activity_logs_jaxlines_lines():
+  # As jaxline's own tests check them, patching through `utils.logging`.
+  with mock.patch("jaxline_ng.utils.logging.info") as info, \
+      mock.patch("jaxline_ng.utils.logging.exception") as exception:
+    with utils.log_activity("for test"):
+      pass
+    with pytest.raises(ValueError, match="Intentional"):
+      with utils.log_activity("for test"):
+        raise ValueError("Intentional")
+  assert info.call_args_list == [mock.call("[jaxline] %s starting...", "for test"),
+                                 mock.call("[jaxline] %s finished.", "for test"),
+                                 mock.call("[jaxline] %s starting...", "for test")]
+  exception.assert_called_once_with("[jaxline] %s failed with error.", "for test")
+
+
+def test_tests_written_for_jaxline_patch_jax_and_chex_through_utils():
+  with mock.patch.object(utils.jax, "process_index", return_value=3):
+    assert utils.host_id_devices_for_rng("unique_host_same_device")[0] == 3
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  with mock.patch.object(utils.chex, "fake_pmap_and_jit", autospec=True) as fake, \
+      flagsaver.flagsaver(jaxline_disable_pmap_jit=True):
+    assert utils.disable_pmap_jit(lambda: 5)() == 5
+  fake.assert_called_once()
 
 
 def test_log_activity_is_also_a_decorator(caplog):
