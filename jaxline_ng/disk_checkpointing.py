@@ -138,9 +138,10 @@ def _skeleton(value: Any) -> Any:
       return {type(node).__name__: [describe(v) for v in node]}
     if isinstance(node, tuple) and hasattr(type(node), "_fields"):
       return {"namedtuple": _class_name(node), "fields": [describe(v) for v in node]}
-    if _is_pytree_dataclass(node):
+    names = _pytree_dataclass_fields(node)
+    if names is not None:
       return {"dataclass": _class_name(node),
-              "fields": [[name, describe(getattr(node, name))] for name in _init_fields(node)]}
+              "fields": [[name, describe(getattr(node, name))] for name in names]}
     if isinstance(node, (jax.Array, np.ndarray, np.generic, *_PLAIN_VALUES)):
       return {"leaf": next(counter)}
     raise TypeError
@@ -159,15 +160,24 @@ def _init_fields(node_or_class: Any) -> list[str]:
   return [field.name for field in dataclasses.fields(node_or_class) if field.init]
 
 
-def _is_pytree_dataclass(node: Any) -> bool:
-  """Whether `node` is a dataclass that JAX flattens into exactly the fields
-  its constructor takes, in their order, so that `cls(**fields)` rebuilds it.
-  (Fields JAX keeps as static metadata are not arrays a checkpoint can hold.)"""
+def _pytree_dataclass_fields(node: Any) -> list[str] | None:
+  """`node`'s field names in the order JAX flattens them, if `node` is a
+  dataclass that JAX flattens into exactly the fields its constructor takes
+  (so `cls(**fields)` rebuilds it); else None. Fields that JAX keeps as static
+  metadata are not arrays a checkpoint could hold."""
   if not dataclasses.is_dataclass(node) or isinstance(node, type):
-    return False
-  children = jax.tree.leaves(node, is_leaf=lambda child: child is not node)
-  fields = [getattr(node, name) for name in _init_fields(node)]
-  return len(children) == len(fields) and all(a is b for a, b in zip(children, fields))
+    return None
+  fields = _init_fields(node)
+  children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+  if len(children) != len(fields) or any(len(path) != 1 for path, _ in children):
+    return None
+  # Keys name the fields (chex sorts them); keys by position follow the class's order.
+  names = [path[0].name if isinstance(path[0], jax.tree_util.GetAttrKey) else field
+           for (path, _), field in zip(children, fields)]
+  if sorted(names) != sorted(fields) or any(
+      getattr(node, name) is not child for name, (_, child) in zip(names, children)):
+    return None
+  return names
 
 
 class _NotImported(LookupError):
@@ -195,9 +205,10 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
   if "dataclass" in skeleton:
     names = [name for name, _ in skeleton["fields"]]
     cls = _imported_class("dataclass", skeleton["dataclass"],
-                          lambda cls: dataclasses.is_dataclass(cls) and _init_fields(cls) == names)
+                          lambda cls: dataclasses.is_dataclass(cls)
+                          and sorted(_init_fields(cls)) == sorted(names))
     value = cls(**{name: _rebuild(v, leaves) for name, v in skeleton["fields"]})
-    if not _is_pytree_dataclass(value):  # No longer registered with JAX as it was.
+    if _pytree_dataclass_fields(value) != names:  # JAX flattens it otherwise now.
       raise _NotImported(f"dataclass class {skeleton['dataclass']}")
     return value
   if "none" in skeleton:

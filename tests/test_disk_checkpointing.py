@@ -6,6 +6,7 @@ import functools
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -480,6 +481,13 @@ class SecondMoment(State):
   weight: jax.Array
 
 
+@chex.dataclass
+class Statistics:
+  """chex flattens a dataclass's fields in sorted order, not in the class's."""
+  total: jax.Array
+  count: jax.Array
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass
 class OptimizerState(State):
@@ -488,6 +496,7 @@ class OptimizerState(State):
   estimator: SecondMoment
   damping: jax.Array | None
   step_counter: jax.Array
+  statistics: Statistics
 
 
 class KfacStyleStateBuiltInFirstStep(experiment.AbstractExperiment):
@@ -504,7 +513,9 @@ class KfacStyleStateBuiltInFirstStep(experiment.AbstractExperiment):
           velocities=jax.tree.map(lambda v: v + 0.5, state.velocities),
           estimator=SecondMoment(state.estimator.raw_value * 2.0 + 1.0,
                                  state.estimator.weight + 1.0),
-          damping=None, step_counter=state.step_counter + 1)
+          damping=None, step_counter=state.step_counter + 1,
+          statistics=Statistics(total=state.statistics.total + 2.0,
+                                count=state.statistics.count + 1))
 
     self._update = jax.pmap(update, axis_name="i")
 
@@ -513,7 +524,8 @@ class KfacStyleStateBuiltInFirstStep(experiment.AbstractExperiment):
       self._opt_state = utils.bcast_local_devices(OptimizerState(
           velocities=optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(3)}),
           estimator=SecondMoment(jnp.zeros((2, 2)), jnp.zeros(())), damping=None,
-          step_counter=jnp.zeros((), jnp.int32)))
+          step_counter=jnp.zeros((), jnp.int32),
+          statistics=Statistics(total=jnp.zeros(2), count=jnp.zeros((), jnp.int32))))
     self._opt_state = self._update(self._opt_state)
     return {}
 
@@ -527,7 +539,8 @@ def test_a_pytree_dataclass_built_in_the_first_step_resumes(tmp_path):
   resumed = _train(KfacStyleStateBuiltInFirstStep, disk_config(tmp_path / "twice", 6))
   state = utils.get_first(resumed._opt_state)  # pylint: disable=protected-access
   assert type(state) is OptimizerState and type(state.estimator) is SecondMoment
-  assert state.damping is None and int(state.step_counter) == 6
+  assert type(state.statistics) is Statistics
+  assert state.damping is None and int(state.step_counter) == int(state.statistics.count) == 6
   _assert_same_arrays(resumed._opt_state, uninterrupted._opt_state)  # pylint: disable=protected-access
 
 
