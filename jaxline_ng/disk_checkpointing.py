@@ -113,6 +113,17 @@ def _key_name(key) -> str:
   return str(key)
 
 
+def _tree_path(entry_name: str, path) -> list[str]:
+  """Where the leaf at key path `path` of an entry lives in the orbax tree."""
+  return [*entry_name.split("/"), *(_key_name(key) for key in path)]
+
+
+def _leaf_names(entry_name: str, value: Any) -> list[str]:
+  """The orbax names of `value`'s leaves, in the order JAX flattens them."""
+  return ["/".join(_tree_path(entry_name, path))
+          for path, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+
+
 def _skeleton(value: Any) -> Any:
   """A JSON description of `value`'s containers, or None if it has other nodes.
 
@@ -180,8 +191,14 @@ def _pytree_dataclass_fields(node: Any) -> list[str] | None:
   return names
 
 
+class _FlatLeaves(list):
+  """`read`'s stand-in for an entry of classes the reader may not have: the
+  entry comes back as the flat list of its leaves."""
+
+
 class _NotImported(LookupError):
-  """A skeleton's class is not among this program's imported classes."""
+  """A skeleton's class is not among this program's imported classes, or does
+  not rebuild; the message says which, following "its"."""
 
 
 def _imported_class(kind: str, name: str, fits: Callable[[type], bool]) -> type:
@@ -192,7 +209,7 @@ def _imported_class(kind: str, name: str, fits: Callable[[type], bool]) -> type:
   for part in qualname.split("."):
     cls = getattr(cls, part, None)
   if not (isinstance(cls, type) and fits(cls)):
-    raise _NotImported(f"{kind} class {name}")
+    raise _NotImported(f"{kind} class {name} is not imported (or has other fields)")
   return cls
 
 
@@ -207,9 +224,14 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
     cls = _imported_class("dataclass", skeleton["dataclass"],
                           lambda cls: dataclasses.is_dataclass(cls)
                           and sorted(_init_fields(cls)) == sorted(names))
-    value = cls(**{name: _rebuild(v, leaves) for name, v in skeleton["fields"]})
-    if _pytree_dataclass_fields(value) != names:  # JAX flattens it otherwise now.
-      raise _NotImported(f"dataclass class {skeleton['dataclass']}")
+    try:  # Field by field by name: the class may declare them in another order now.
+      value = cls(**{name: _rebuild(v, leaves) for name, v in skeleton["fields"]})
+    except (TypeError, ValueError) as e:  # A constructor of its own, a __post_init__ check.
+      raise _NotImported(f"dataclass class {skeleton['dataclass']} does not rebuild from its "
+                         f"fields ({type(e).__name__}: {e})") from None
+    if _pytree_dataclass_fields(value) is None:  # No longer a pytree of its fields.
+      raise _NotImported(f"dataclass class {skeleton['dataclass']} is not imported (or has "
+                         "other fields)")
     return value
   if "none" in skeleton:
     return None
@@ -272,7 +294,7 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
             f"({leaf.dtype}); keep jax.random.key_data(key) in the state and rebuild the "
             "key with jax.random.wrap_key_data")
       if _is_array(leaf):
-        tree_path = [*name.split("/"), *(_key_name(key) for key in path)]
+        tree_path = _tree_path(name, path)
         node = tree
         for part in tree_path[:-1]:
           node = node.setdefault(part, {})
@@ -438,6 +460,26 @@ def _read_meta(path: str, together: bool = False) -> dict[str, Any]:
   return meta
 
 
+def _in_live_order(entry: dict[str, Any], leaves: list, live: Any, name: str) -> list:
+  """An entry's `leaves` in the order of the live value's, matched by name.
+
+  A key or field renamed since the save would otherwise hand its arrays to
+  whichever leaf now sorts in its place (two layers of one shape would swap
+  weights): names that differ do not fit. Fields reordered are matched up.
+  """
+  saved = ["/".join(leaf["array"]) if "array" in leaf else None for leaf in entry["leaves"]]
+  live_names = _leaf_names(name, live)
+  if all(saved_name in (None, live_name) for saved_name, live_name in zip(saved, live_names)):
+    return leaves
+  if sorted(map(str, saved)) == sorted(live_names):
+    position = {saved_name: i for i, saved_name in enumerate(saved)}
+    return [leaves[position[live_name]] for live_name in live_names]
+  gone = sorted(set(saved) - set(live_names) - {None})
+  new = sorted(set(live_names) - set(saved))
+  raise UnusableCheckpoint(f"entry {name} holds {', '.join(gone) or 'other values'} where the "
+                           f"experiment's has {', '.join(new) or 'other values'}")
+
+
 def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
                training: bool) -> Any:
   """An entry's value: rebuilt from its skeleton, else in the live value's structure.
@@ -449,24 +491,25 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
   warning, and training refuses: the experiment would build the state
   afresh in its first step and train from fresh weights at the saved step.
   """
+  if isinstance(live, _FlatLeaves):
+    return list(leaves)
   live_treedef = None if live is None else jax.tree.structure(live)
-  missing_class = None
+  not_rebuilt = None
   try:
     value = None if entry["skeleton"] is None else _rebuild(entry["skeleton"], leaves)
   except _NotImported as e:
-    value, missing_class = None, e.args[0]
+    value, not_rebuilt = None, e.args[0]
   if value is not None or entry["skeleton"] == {"none": True}:
     # Same leaves, other node types (a class the skeleton cannot name): take the live ones.
     if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
         live_treedef != jax.tree.structure(value):
-      value = jax.tree.unflatten(live_treedef, leaves)
+      value = jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
     return value
   if live_treedef is not None and live_treedef.num_leaves == len(leaves):
-    return jax.tree.unflatten(live_treedef, leaves)
+    return jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
   if live is None and name.startswith(_MODULE_PREFIX):
     if training:
-      why = (f"its {missing_class} is not imported (or has other fields)"
-             if missing_class else
+      why = (f"its {not_rebuilt}" if not_rebuilt else
              "its type is not a dict, list, tuple, NamedTuple or pytree dataclass")
       raise CheckpointRefused(
           f"checkpoint entry {name} cannot be restored: the experiment holds None there and "
@@ -513,13 +556,13 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
   for name, entry in entries.items():
     if not wanted(name):
       continue
-    live_leaves = jax.tree.leaves(live.get(name))
-    if len(live_leaves) != len(entry["leaves"]) or name in ("train_step_rng",):
-      live_leaves = [None] * len(entry["leaves"])
-    for leaf, live_leaf in zip(entry["leaves"], live_leaves):
+    live_leaves = {} if name == "train_step_rng" else dict(zip(
+        _leaf_names(name, live.get(name)), jax.tree.leaves(live.get(name))))
+    for leaf in entry["leaves"]:
       if "array" not in leaf:
         continue
       tree_path = leaf["array"]
+      live_leaf = live_leaves.get("/".join(tree_path))
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
       if isinstance(live_leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)) and \
@@ -649,7 +692,7 @@ def read(checkpoint_dir: str, series: str = "latest",
     # included: their classes may not be imported) is a flat list of its leaves.
     skeleton = entry["skeleton"]
     placeholder = (None if skeleton is not None and not _names_classes(skeleton)
-                   else [0] * len(entry["leaves"]))
+                   else _FlatLeaves())
     if name.startswith(_MODULE_PREFIX):
       live["experiment_module"][name[len(_MODULE_PREFIX):]] = placeholder
     else:

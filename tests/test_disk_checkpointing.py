@@ -577,6 +577,132 @@ def test_training_refuses_a_dataclass_with_static_fields_it_cannot_rebuild(tmp_p
     _train(MetaFieldStateBuiltInFirstStep, disk_config(tmp_path, 4))
 
 
+class Tables(experiment.AbstractExperiment):
+  """Two tables of one shape in a dict, made in __init__; `names` may change between runs."""
+  CHECKPOINT_ATTRS = {"_tables": "tables"}
+  names = ("first", "second")
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._tables = utils.bcast_local_devices({name: jnp.zeros(3) for name in self.names})
+    self._update = jax.pmap(lambda tables: {name: table + i + 1.0 for i, (name, table) in
+                                            enumerate(sorted(tables.items()))}, axis_name="i")
+
+  def step(self, **unused):
+    self._tables = self._update(self._tables)
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+class RenamedTables(Tables):
+  names = ("second", "third")  # `first` renamed: `second` now sorts where `first` did.
+
+
+def test_a_renamed_key_is_refused_rather_than_handed_another_keys_arrays(tmp_path):
+  _train(Tables, disk_config(tmp_path, 4))
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match="entry experiment_module/tables holds experiment_module/tables/first "
+                           "where the experiment's has experiment_module/tables/third"):
+    _train(RenamedTables, disk_config(tmp_path, 6))
+  assert series_steps(tmp_path) == [2, 4]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pair:
+  small: jax.Array
+  large: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PairReordered:  # `Pair` after an edit that swapped its fields.
+  large: jax.Array
+  small: jax.Array
+
+
+PairReordered.__qualname__ = PairReordered.__name__ = "Pair"
+
+
+class PairState(experiment.AbstractExperiment):
+  CHECKPOINT_ATTRS = {"_pair": "pair"}
+  pair_class = Pair
+  built_in_init = True  # Else in the first step, as kfac-jax builds its state.
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._pair = self._fresh() if self.built_in_init else None
+    self._update = jax.pmap(lambda pair: self.pair_class(
+        small=pair.small + 1.0, large=pair.large * 2.0 + 1.0), axis_name="i")
+
+  def _fresh(self):
+    return utils.bcast_local_devices(self.pair_class(small=jnp.zeros(2), large=jnp.zeros(2)))
+
+  def step(self, **unused):
+    if self._pair is None:
+      self._pair = self._fresh()
+    self._pair = self._update(self._pair)
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+@pytest.mark.parametrize("built_in_init", [True, False])
+def test_dataclass_fields_reordered_since_the_save_resume_by_name(tmp_path, monkeypatch,
+                                                                  built_in_init):
+  monkeypatch.setattr(PairState, "built_in_init", built_in_init)
+  _train(PairState, disk_config(tmp_path, 2))  # small 2, large 3
+  monkeypatch.setattr(PairState, "pair_class", PairReordered)
+  monkeypatch.setitem(globals(), "Pair", PairReordered)  # Where the checkpoint's name leads.
+  pair = utils.get_first(_train(PairState, disk_config(tmp_path, 4))._pair)  # pylint: disable=protected-access
+  assert type(pair) is PairReordered
+  np.testing.assert_array_equal(pair.small, [4.0, 4.0])
+  np.testing.assert_array_equal(pair.large, [15.0, 15.0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Checked:
+  """A __post_init__ that rejects what a restore hands it (host arrays)."""
+  value: jax.Array
+
+  def __post_init__(self):
+    if isinstance(self.value, np.ndarray):
+      raise TypeError("value must not be a NumPy array")
+
+
+class CheckedStateBuiltInFirstStep(experiment.AbstractExperiment):
+  CHECKPOINT_ATTRS = {"_state": "state"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._state = None
+    self._update = jax.pmap(lambda state: Checked(state.value + 1.0), axis_name="i")
+
+  def step(self, **unused):
+    if self._state is None:
+      self._state = self._update(jax.pmap(lambda x: Checked(x))(jnp.zeros((4, 2))))
+    self._state = self._update(self._state)
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+def test_a_dataclass_that_does_not_rebuild_is_refused_not_trained_afresh(tmp_path):
+  config = disk_config(tmp_path, 4, save_initial_train_checkpoint=True)
+  _train(CheckedStateBuiltInFirstStep, config)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"entry experiment_module/state cannot be restored: the experiment "
+                           r"holds None there and its dataclass class \S+:Checked does not "
+                           r"rebuild from its fields \(TypeError: value must not be a NumPy"):
+    _train(CheckedStateBuiltInFirstStep, disk_config(tmp_path, 6))
+  assert series_steps(tmp_path) == [0, 2, 4]  # None moved aside for the empty step 0.
+
+
 @pytest.mark.parametrize("error", [
     OSError(28, "No space left on device"),
     # What TensorStore, orbax's array writer, raises on a full tmpfs.
