@@ -191,32 +191,27 @@ def _pytree_dataclass_fields(node: Any) -> list[str] | None:
   return names
 
 
-class _FlatLeaves(list):
-  """`read`'s stand-in for an entry of classes the reader may not have: the
-  entry comes back as the flat list of its leaves."""
-
-
 class _NotImported(LookupError):
   """A skeleton's class is not among this program's imported classes, or does
   not rebuild; the message says which, following "its"."""
 
 
 def _imported_class(kind: str, name: str, fits: Callable[[type], bool]) -> type:
-  """The `kind` class `module:qualname`, looked up in the modules already
+  """The class `module:qualname` (a `kind`), looked up in the modules already
   imported (a checkpoint never makes the program import anything), if it `fits`."""
   module_name, _, qualname = name.partition(":")
   cls = sys.modules.get(module_name)
   for part in qualname.split("."):
     cls = getattr(cls, part, None)
   if not (isinstance(cls, type) and fits(cls)):
-    raise _NotImported(f"{kind} class {name} is not imported (or has other fields)")
+    raise _NotImported(f"{kind} {name} is not imported (or has other fields)")
   return cls
 
 
 def _rebuild(skeleton: Any, leaves: list) -> Any:
   """The value `skeleton` describes, with `leaves`; raises _NotImported."""
   if "namedtuple" in skeleton:
-    cls = _imported_class("NamedTuple", skeleton["namedtuple"], lambda cls: issubclass(
+    cls = _imported_class("NamedTuple class", skeleton["namedtuple"], lambda cls: issubclass(
         cls, tuple) and len(getattr(cls, "_fields", ())) == len(skeleton["fields"]))
     return cls(*(_rebuild(v, leaves) for v in skeleton["fields"]))
   if "dataclass" in skeleton:
@@ -227,10 +222,10 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
     try:  # Field by field by name: the class may declare them in another order now.
       value = cls(**{name: _rebuild(v, leaves) for name, v in skeleton["fields"]})
     except (TypeError, ValueError) as e:  # A constructor of its own, a __post_init__ check.
-      raise _NotImported(f"dataclass class {skeleton['dataclass']} does not rebuild from its "
+      raise _NotImported(f"dataclass {skeleton['dataclass']} does not rebuild from its "
                          f"fields ({type(e).__name__}: {e})") from None
     if _pytree_dataclass_fields(value) is None:  # No longer a pytree of its fields.
-      raise _NotImported(f"dataclass class {skeleton['dataclass']} is not imported (or has "
+      raise _NotImported(f"dataclass {skeleton['dataclass']} is not imported (or has "
                          "other fields)")
     return value
   if "none" in skeleton:
@@ -471,7 +466,7 @@ def _in_live_order(entry: dict[str, Any], leaves: list, live: Any, name: str) ->
   live_names = _leaf_names(name, live)
   if all(saved_name in (None, live_name) for saved_name, live_name in zip(saved, live_names)):
     return leaves
-  if sorted(map(str, saved)) == sorted(live_names):
+  if None not in saved and sorted(saved) == sorted(live_names):
     position = {saved_name: i for i, saved_name in enumerate(saved)}
     return [leaves[position[live_name]] for live_name in live_names]
   gone = sorted(set(saved) - set(live_names) - {None})
@@ -668,6 +663,11 @@ def _load(path: str, live_nest: dict[str, Any], together: bool = False,
     raise UnusableCheckpoint(f"its global_step {step!r} is not the step {meta['step']!r} "
                              "it was saved at")
   return nest, meta["topology"]
+
+
+class _FlatLeaves(list):
+  """`read`'s stand-in for an entry of classes the reader may not have: the
+  entry comes back as the flat list of its leaves."""
 
 
 def read(checkpoint_dir: str, series: str = "latest",

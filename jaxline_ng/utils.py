@@ -41,6 +41,7 @@ def __getattr__(name: str):
     return chex
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "CheckpointNT", "Checkpointer", "DistributedRNGMode", "GLOBAL_CHECKPOINT_DICT",
     "InMemoryCheckpointer", "PeriodicAction", "SnapshotNT", "Writer", "bcast_local_devices",

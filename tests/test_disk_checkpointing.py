@@ -697,7 +697,7 @@ def test_a_dataclass_that_does_not_rebuild_is_refused_not_trained_afresh(tmp_pat
   _train(CheckedStateBuiltInFirstStep, config)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"entry experiment_module/state cannot be restored: the experiment "
-                           r"holds None there and its dataclass class \S+:Checked does not "
+                           r"holds None there and its dataclass \S+:Checked does not "
                            r"rebuild from its fields \(TypeError: value must not be a NumPy"):
     _train(CheckedStateBuiltInFirstStep, disk_config(tmp_path, 6))
   assert series_steps(tmp_path) == [0, 2, 4]  # None moved aside for the empty step 0.
