@@ -10,9 +10,9 @@ lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
   holds one copy of pmap-replicated state, without a device axis, and
   reads with orbax alone: `ocp.StandardCheckpointer().restore(<step>/state)`.
 - `meta`: JSON with the snapshot's plain Python values, the skeleton each
-  entry was made of (dicts, lists, tuples; NamedTuples and pytree
-  dataclasses by class name), the topology that wrote it, a checksum of
-  every array (`fingerprint`) and a digest of the JSON itself.
+  entry was made of (dicts, lists, tuples; NamedTuples, other Mappings and
+  pytree dataclasses by class name), the topology that wrote it, a checksum
+  of every array (`fingerprint`) and a digest of the JSON itself.
 
 Saving takes fresh on-device copies of the state on the calling thread (so
 donation and later steps cannot change them) and dispatches each array's
@@ -41,7 +41,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -128,11 +128,12 @@ def _skeleton(value: Any) -> Any:
   """A JSON description of `value`'s containers, or None if it has other nodes.
 
   Leaves become {"leaf": i} (their index among the entry's leaves), so the
-  skeleton plus the leaves rebuild the value. A NamedTuple (an optax state)
-  or a dataclass registered as a pytree of its fields (kfac-jax's optimizer
-  state) is described by its class's name: jaxline experiments often build
-  such state in the first step unless a restore already set it, so a
-  restore must recreate it without a live value to copy the structure from.
+  skeleton plus the leaves rebuild the value. A NamedTuple (an optax state),
+  a Mapping flattened as a dict (haiku's FlatMap) or a dataclass registered
+  as a pytree of its fields (kfac-jax's optimizer state) is described by its
+  class's name: jaxline experiments often build such state in the first
+  step unless a restore already set it, so a restore must recreate it
+  without a live value to copy the structure from.
   """
   counter = iter(range(1 << 62))
 
@@ -149,6 +150,8 @@ def _skeleton(value: Any) -> Any:
       return {type(node).__name__: [describe(v) for v in node]}
     if isinstance(node, tuple) and hasattr(type(node), "_fields"):
       return {"namedtuple": _class_name(node), "fields": [describe(v) for v in node]}
+    if isinstance(node, Mapping) and _flattens_as_a_dict(node):
+      return {"mapping": _class_name(node), "dict": {k: describe(node[k]) for k in sorted(node)}}
     names = _pytree_dataclass_fields(node)
     if names is not None:
       return {"dataclass": _class_name(node),
@@ -169,6 +172,17 @@ def _class_name(node: Any) -> str:
 
 def _init_fields(node_or_class: Any) -> list[str]:
   return [field.name for field in dataclasses.fields(node_or_class) if field.init]
+
+
+def _flattens_as_a_dict(mapping: Mapping) -> bool:
+  """Whether JAX flattens `mapping` (another Mapping than a dict: haiku's
+  FlatMap, flax's FrozenDict) as a dict of its items, with string keys: into
+  its values' leaves in sorted-key order, which its skeleton then follows."""
+  if not all(isinstance(key, str) for key in mapping):
+    return False
+  leaves = jax.tree.leaves(mapping)
+  by_key = [leaf for key in sorted(mapping) for leaf in jax.tree.leaves(mapping[key])]
+  return len(leaves) == len(by_key) and all(a is b for a, b in zip(leaves, by_key))
 
 
 def _pytree_dataclass_fields(node: Any) -> list[str] | None:
@@ -228,6 +242,18 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
       raise _NotImported(f"dataclass {skeleton['dataclass']} is not imported (or has "
                          "other fields)")
     return value
+  if "mapping" in skeleton:
+    cls = _imported_class("Mapping class", skeleton["mapping"],
+                          lambda cls: issubclass(cls, Mapping))
+    try:
+      value = cls({key: _rebuild(v, leaves) for key, v in skeleton["dict"].items()})
+    except (TypeError, ValueError) as e:
+      raise _NotImported(f"Mapping class {skeleton['mapping']} does not rebuild from a dict "
+                         f"({type(e).__name__}: {e})") from None
+    if not _flattens_as_a_dict(value):
+      raise _NotImported(f"Mapping class {skeleton['mapping']} is not imported (or flattens "
+                         "otherwise)")
+    return value
   if "none" in skeleton:
     return None
   if "leaf" in skeleton:
@@ -243,7 +269,7 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
 
 def _names_classes(skeleton: Any) -> bool:
   """Whether `skeleton` names a class, which only the experiment's program has."""
-  if "namedtuple" in skeleton or "dataclass" in skeleton:
+  if "namedtuple" in skeleton or "dataclass" in skeleton or "mapping" in skeleton:
     return True
   children = (skeleton.get("list") or skeleton.get("tuple") or skeleton.get("dict", {}).values()
               or [child for _, child in skeleton.get("ordered_dict", ())])

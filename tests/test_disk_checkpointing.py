@@ -7,6 +7,7 @@ import os
 import shutil
 
 import chex
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -542,6 +543,51 @@ def test_a_pytree_dataclass_built_in_the_first_step_resumes(tmp_path):
   assert type(state.statistics) is Statistics
   assert state.damping is None and int(state.step_counter) == int(state.statistics.count) == 6
   _assert_same_arrays(resumed._opt_state, uninterrupted._opt_state)  # pylint: disable=protected-access
+
+
+class HaikuFlatMapBuiltInFirstStep(experiment.AbstractExperiment):
+  """deepmind-research's physics_inspired_models: params and optimizer state in
+  haiku FlatMaps (`hk.data_structures.to_immutable_dict`), built in the first step."""
+  CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._params = self._opt_state = None
+    self._opt = optax.adam(0.1)
+
+    def update(params, opt_state):
+      updates, opt_state = self._opt.update(jax.tree.map(jnp.ones_like, params), opt_state)
+      return optax.apply_updates(params, updates), opt_state
+
+    self._update = jax.pmap(update, axis_name="i")
+
+  def step(self, **unused):
+    if self._params is None:
+      params = hk.data_structures.to_immutable_dict(
+          {"mlp/~/linear_1": {"w": jnp.ones((3, 1)), "b": jnp.zeros(1)},
+           "mlp/~/linear_0": {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}})
+      self._params = utils.bcast_local_devices(params)
+      self._opt_state = utils.bcast_local_devices(self._opt.init(params))
+    self._params, self._opt_state = self._update(self._params, self._opt_state)
+    return {}
+
+  def evaluate(self, **unused):
+    return {}
+
+
+def test_haiku_flatmap_state_built_in_the_first_step_resumes_and_evaluates(tmp_path):
+  uninterrupted = _train(HaikuFlatMapBuiltInFirstStep, disk_config(tmp_path / "once", 6))
+  _train(HaikuFlatMapBuiltInFirstStep, disk_config(tmp_path / "twice", 4))
+  resumed = _train(HaikuFlatMapBuiltInFirstStep, disk_config(tmp_path / "twice", 6))
+  assert type(utils.get_first(resumed._params)) is type(utils.get_first(uninterrupted._params))  # pylint: disable=protected-access
+  assert not isinstance(utils.get_first(resumed._params), dict)  # pylint: disable=protected-access
+  _assert_same_arrays((resumed._params, resumed._opt_state),  # pylint: disable=protected-access
+                      (uninterrupted._params, uninterrupted._opt_state))  # pylint: disable=protected-access
+  config = disk_config(tmp_path / "twice", 6)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "eval")
+  train.evaluate(HaikuFlatMapBuiltInFirstStep, config, checkpointer, None, jaxline_mode="eval")
+  evaluated = checkpointer.get_experiment_state("latest").experiment_module
+  _assert_same_arrays(evaluated._params, resumed._params)  # pylint: disable=protected-access
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["value"],
