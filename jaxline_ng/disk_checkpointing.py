@@ -884,9 +884,13 @@ class DiskCheckpointer:
     series_dir = os.path.join(self._read_root, ckpt_series)
     paths = [os.path.join(series_dir, str(step)) for step in reversed(_steps(series_dir))]
     if not paths and ckpt_series == "latest" and self._restore_path:
-      steps = _steps(self._restore_path)
-      paths = ([os.path.join(self._restore_path, str(steps[-1]))] if steps
-               else [self._restore_path])
+      # Another run's series, or its checkpoint_dir; else a step directory.
+      for series_dir in (self._restore_path,
+                         os.path.join(self._restore_path, "checkpoints", "latest")):
+        steps = _steps(series_dir)
+        if steps:
+          return [os.path.join(series_dir, str(steps[-1]))]
+      paths = [self._restore_path]
     return paths
 
   def can_be_restored(self, ckpt_series: str) -> bool:

@@ -154,10 +154,12 @@ def test_partial_save_is_ignored_and_cleaned(tmp_path):
   assert not os.path.exists(partial)
 
 
-def test_restore_path_seeds_a_fresh_run_with_weights_only(tmp_path):
+@pytest.mark.parametrize("restore_path", [
+    "source/checkpoints/latest", "source/checkpoints/latest/4",
+    "source"])  # The other run's checkpoint_dir.
+def test_restore_path_seeds_a_fresh_run_with_weights_only(tmp_path, restore_path):
   source = run(disk_config(tmp_path / "source", 4))
-  fresh = run(disk_config(tmp_path / "fresh", 2,
-                          restore_path=str(tmp_path / "source" / "checkpoints" / "latest")))
+  fresh = run(disk_config(tmp_path / "fresh", 2, restore_path=str(tmp_path / restore_path)))
   assert Rich.seen_steps == [0, 1]
   assert fresh._history == [0, 1, 2, 3, 0, 1]
   assert series_steps(tmp_path / "fresh") == [2]
