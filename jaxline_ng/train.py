@@ -514,6 +514,13 @@ def evaluate(experiment_class, config, checkpointer, writer,
   # take the checkpoints the chief chooses; others each evaluate their own.
   follow_chief = (multihost.is_multiprocess()
                   and "path" in inspect.signature(checkpointer.restore).parameters)
+  if config.one_off_evaluate and not config.eval_initial_weights and \
+      checkpointer.restore_path("latest") is None:
+    # As jaxline: nothing will come to a one-off evaluation (a mistyped
+    # checkpoint_dir, most likely), so it must not wait.
+    raise base_config.ConfigError(
+        f"config.one_off_evaluate=True but {config.checkpoint_dir} has no checkpoint to "
+        "evaluate (set config.eval_initial_weights=True to evaluate the initial weights)")
   restored_path = None
   evaluated_step = -1
   initial_weights_pending = config.eval_initial_weights
@@ -589,6 +596,7 @@ def _next_checkpoint(checkpointer, restored_path, initial_weights_pending: bool,
   "initial" (evaluate the initial weights) or "done" (`stop_waiting()`: no
   new checkpoint will come).
   """
+  logged_wait = False
   while True:
     if _stop_evaluating():
       return "stop", None
@@ -599,6 +607,10 @@ def _next_checkpoint(checkpointer, restored_path, initial_weights_pending: bool,
       return "initial", None
     if stop_waiting is not None and stop_waiting():
       return "done", None
+    if not logged_wait:  # Once a wait: a silent evaluator looks hung.
+      logging.info("[jaxline_ng] Waiting for a new checkpoint (last evaluated: %s).",
+                   restored_path or "none")
+      logged_wait = True
     preemption.wait_for_stop(poll_interval_secs)  # A stop request ends the wait at once.
 
 

@@ -186,3 +186,12 @@ def test_infinite_metric_never_becomes_best():
   run_eval(config, checkpointer, [4, 10])
   assert [s.pickle_nest["global_step"] for s in utils.GLOBAL_CHECKPOINT_DICT["best"].history] \
       == [4]
+
+
+def test_one_off_evaluate_without_a_checkpoint_is_one_line_not_a_wait():
+  # jaxline raises at once too: a one-off evaluation has nothing coming.
+  config = make_config(one_off_evaluate=True)
+  with pytest.raises(base_config.ConfigError, match="^config.one_off_evaluate=True but "
+                     f"{config.checkpoint_dir} has no checkpoint to evaluate"):
+    train.evaluate(Scripted, config, checkpointing.InMemoryCheckpointer(config, "eval"), None,
+                   jaxline_mode="eval", poll_interval_secs=0.01, stop_waiting=lambda: True)
