@@ -550,7 +550,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
   live = _named_entries(live_nest)
   wants_module = "experiment_module" in live_nest
   entries = meta["entries"]
-  unlisted = set()  # Entries an evaluator's experiment does not checkpoint: not read.
+  unlisted = set()  # Entries the live state does not list: not read.
   for name in entries:
     if name.startswith(_MODULE_PREFIX):
       if wants_module and name not in live:
@@ -560,7 +560,9 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
         raise UnusableCheckpoint(f"it holds experiment_module/{name[len(_MODULE_PREFIX):]}, "
                                  "which the experiment does not checkpoint")
     elif name not in _STATE_ATTRS and name not in live:
-      raise UnusableCheckpoint(f"it holds an unexpected entry {name!r}")
+      # As jaxline, which restores the live state's entries only: one that
+      # `on_new_best_model` added to the best state is not a damage.
+      unlisted.add(name)
   if wants_module:
     missing = sorted(name for name in live if name.startswith(_MODULE_PREFIX)
                      and name not in entries)
@@ -568,7 +570,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
       raise UnusableCheckpoint(f"it lacks {', '.join(missing)}, which the experiment checkpoints")
 
   def wanted(name):
-    return (wants_module and name not in unlisted) or not name.startswith(_MODULE_PREFIX)
+    return name not in unlisted and (wants_module or not name.startswith(_MODULE_PREFIX))
 
   # The orbax tree to restore: one target per array of the entries wanted.
   targets: dict[str, Any] = {}
@@ -796,8 +798,16 @@ class DiskCheckpointer:
     self._lock = threading.Lock()
     self._saves = background.Worker("disk_checkpointer")
 
+  def _dir_name(self, ckpt_series: str) -> str:
+    """The directory of `ckpt_series`; an `eval_<name>` job's `best` is `best_<name>`:
+    evaluators of several modes run side by side on other data, and one shared
+    series would mix their metrics and hand each the other's value to beat."""
+    if ckpt_series == "best" and self._mode.startswith("eval_"):
+      return "best_" + self._mode[len("eval_"):]
+    return ckpt_series
+
   def _series_dir(self, ckpt_series: str) -> str:
-    return os.path.join(self._root, ckpt_series)
+    return os.path.join(self._root, self._dir_name(ckpt_series))
 
   def _manager(self, ckpt_series: str) -> ocp.CheckpointManager:
     with self._lock:
@@ -881,7 +891,7 @@ class DiskCheckpointer:
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
-    series_dir = os.path.join(self._read_root, ckpt_series)
+    series_dir = os.path.join(self._read_root, self._dir_name(ckpt_series))
     paths = [os.path.join(series_dir, str(step)) for step in reversed(_steps(series_dir))]
     if not paths and ckpt_series == "latest" and self._restore_path:
       # Another run's series, or its checkpoint_dir; else a step directory.
@@ -917,7 +927,7 @@ class DiskCheckpointer:
     if path in candidates:
       candidates = candidates[candidates.index(path):]
     state = self.get_experiment_state(ckpt_series)
-    fresh_run = not _steps(os.path.join(self._read_root, ckpt_series))
+    fresh_run = not _steps(os.path.join(self._read_root, self._dir_name(ckpt_series)))
     live = checkpointing.snapshotted_items(state)
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)

@@ -188,6 +188,39 @@ def test_best_series_on_disk_keeps_metric_value(tmp_path):
   assert state.global_step == 4 and state.best_eval_metric_value < 0
 
 
+class NotesOnNewBest(Rich):
+  """jaxline's `on_new_best_model` may add to the best state ("to dump
+  additional information from the evaluator")."""
+
+  def on_new_best_model(self, best_state):
+    best_state.note = "exported"
+
+
+def test_an_evaluator_restarts_over_a_best_state_its_on_new_best_model_added_to(tmp_path):
+  config = disk_config(tmp_path, 4, best_model_eval_metric="b0",
+                       best_model_eval_metric_higher_is_better=False)
+  run(config)
+  train.evaluate(NotesOnNewBest, config, disk_checkpointing.DiskCheckpointer(config, "eval"),
+                 None, jaxline_mode="eval")
+  restarted = disk_checkpointing.DiskCheckpointer(config, "eval")
+  state = restarted.get_experiment_state("best")
+  state.global_step, state.best_eval_metric_value = 0, float("inf")
+  restarted.restore("best")
+  assert state.global_step == 4 and state.best_eval_metric_value < 0
+  assert "note" not in state  # As jaxline: the live state's entries are restored.
+
+
+def test_evaluators_of_different_modes_keep_best_series_of_their_own(tmp_path):
+  config = disk_config(tmp_path, 4, best_model_eval_metric="b0")
+  run(config)
+  for mode in ("eval", "eval_heldout"):
+    train.evaluate(Rich, config, disk_checkpointing.DiskCheckpointer(config, mode), None,
+                   jaxline_mode=mode)
+  assert series_steps(tmp_path, "best") == series_steps(tmp_path, "best_heldout") == [4]
+  heldout = disk_checkpointing.DiskCheckpointer(config, "eval_heldout")
+  assert heldout.restore_path("best").endswith(os.path.join("best_heldout", "4"))
+
+
 def test_read_without_an_experiment(tmp_path):
   run(disk_config(tmp_path, 4))
   step, nest = disk_checkpointing.read(str(tmp_path))
