@@ -48,8 +48,9 @@ class ScalarsError(ValueError):
   one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
-# Array kinds that are not numbers: bytes, str, object.
-_NON_NUMERIC_KINDS = "SUO"
+# Array kinds that are not real numbers, which TensorBoard and JSON take:
+# complex, bytes, str, object.
+_UNLOGGABLE_KINDS = "cSUO"
 
 
 @functools.cache
@@ -58,13 +59,15 @@ def _per_device_lengths() -> tuple[int, ...]:
   return (1, jax.local_device_count(), jax.device_count())
 
 
-def _scalar_problem(value: Any) -> str | None:
-  """Why `value` is not a loggable scalar, or None if it is.
+def _scalar_problem(name: Any, value: Any) -> str | None:
+  """Why `value` is not a loggable scalar named `name`, or None if it is.
 
   A scalar is a number, or one per local device (a pmap output the
-  experiment did not reduce with `get_first`). Reads only metadata: no
-  transfer, no wait for the devices.
+  experiment did not reduce with `get_first`), named by a string. Reads
+  only metadata: no transfer, no wait for the devices.
   """
+  if not isinstance(name, str):
+    return f"has a name of type {type(name).__name__}, not a string"
   if isinstance(value, (int, float)):
     return None
   if isinstance(value, (str, bytes)):
@@ -72,7 +75,7 @@ def _scalar_problem(value: Any) -> str | None:
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if shape is None or dtype is None:
     return f"is a {type(value).__name__}"
-  if getattr(dtype, "kind", "") in _NON_NUMERIC_KINDS:
+  if getattr(dtype, "kind", "") in _UNLOGGABLE_KINDS:
     return f"has dtype {dtype}"
   if not shape or (len(shape) == 1 and shape[0] in _per_device_lengths()):
     return None
@@ -89,7 +92,7 @@ def scalar_problems(scalars: Any, producer: str) -> list[str]:
                        "dict of scalars {name: value} (an empty dict to log nothing)")
   problems = []
   for name, value in scalars.items():
-    problem = _scalar_problem(value)
+    problem = _scalar_problem(name, value)
     if problem is not None:
       problems.append(f"{producer} returned scalar {name!r} that {problem}: return numbers, "
                       "or one per local device")
@@ -558,7 +561,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # an evaluation can take hours.
     problems = scalar_problems(scalars, "evaluate()")
     values = host_scalars({name: value for name, value in scalars.items()
-                           if _scalar_problem(value) is None})
+                           if _scalar_problem(name, value) is None})
     logging.info("[jaxline_ng] eval step %d: %s", state.global_step, values)
     if writer is not None:
       writer.write_scalars(state.global_step, values)

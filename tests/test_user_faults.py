@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,8 +247,12 @@ def toy_variant(**methods):
 @pytest.mark.parametrize("returned,culprit", [
     (None, "step() returned NoneType None: return a dict of scalars"),
     ([1.0], "step() returned list [1.0]: return a dict of scalars"),
+    # TensorBoard and JSON take real numbers: the writer's thread used to die on these.
+    ({"loss": 1.0, "phase": np.complex64(1j)},
+     "step() returned scalar 'phase' that has dtype complex64"),
+    ({"loss": 1.0, 0: 2.0}, "step() returned scalar 0 that has a name of type int, not a string"),
 ])
-def test_step_returning_no_dict_stops_at_that_step_naming_it(returned, culprit):
+def test_step_returning_what_cannot_be_logged_stops_at_that_step_naming_it(returned, culprit):
   from jaxline_ng import checkpointing, train  # pylint: disable=import-outside-toplevel
   steps = []
 
@@ -280,15 +285,21 @@ def test_evaluate_returning_a_list_names_it(tmp_path):
   assert error.startswith("evaluate() returned list [1.0, 2.0]: return a dict of scalars")
 
 
-def test_evaluate_returning_a_string_writes_the_row_and_names_the_key(tmp_path):
+@pytest.mark.parametrize("name,value,culprit", [
+    ("verdict", "good", "scalar 'verdict' that is a str ('good')"),
+    ("phase", np.complex64(1j), "scalar 'phase' that has dtype complex64"),
+    (("a", "b"), 1.0, "scalar ('a', 'b') that has a name of type tuple, not a string"),
+])
+def test_evaluate_returning_an_unloggable_scalar_writes_the_row_and_names_the_key(
+    tmp_path, name, value, culprit):
   sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
   import toy  # pylint: disable=import-outside-toplevel
 
   def evaluate(self, **kwargs):
-    return {**toy.Experiment.evaluate(self, **kwargs), "verdict": "good"}
+    return {**toy.Experiment.evaluate(self, **kwargs), name: value}
 
   error = evaluate_variant(tmp_path, evaluate)
-  assert error.startswith("evaluate() returned scalar 'verdict' that is a str ('good')")
+  assert error.startswith(f"evaluate() returned {culprit}")
   [row] = read_jsonl(tmp_path / "metrics.jsonl")
   assert row["step"] == 0 and set(row) == {"step", "neg_distance", "params/mean"}
 
