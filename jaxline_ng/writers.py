@@ -10,6 +10,7 @@ interpreter exit.
 """
 
 import atexit
+import contextlib
 import functools
 import json
 import math
@@ -74,6 +75,21 @@ class Writer(Protocol):
 
 class WriterError(RuntimeError):
   """A background write failed; `__cause__` is the original exception."""
+
+
+class MetricsWriteError(OSError):
+  """The filesystem refused a metrics file (full, read-only, gone); names the file."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
+
+
+def _background_failure(error: BaseException) -> WriterError:
+  """What the caller's thread raises for `error` of a background write: one
+  line (naming the file) when `error` says all there is to say."""
+  if getattr(error, "one_line", False):
+    failure = WriterError(f"metric writing failed: {error}")
+    failure.one_line = True
+    return failure
+  return WriterError(f"Background metric writing failed: {error!r}")
 
 
 def _to_number(value: Any) -> int | float:
@@ -350,8 +366,9 @@ class JsonlWriter:
                  for name, value in scalars.items()}
     if self._file is None:
       # Opened here, not at flush, so a bad path fails the first write.
-      os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
-      self._file = open(self._path, "ab")
+      with self._naming_the_file():
+        os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
+        self._file = open(self._path, "ab")
     row = {"step": int(global_step)}
     row.update((name, _to_number(value)) for name, value in scalars.items())
     line = (json.dumps(row) + "\n").encode()
@@ -377,8 +394,16 @@ class JsonlWriter:
     # lines would leave a torn line followed by duplicates.
     self._lines.clear()
     self._buffered_bytes = 0
-    self._file.write(data)
-    self._file.flush()
+    with self._naming_the_file():
+      self._file.write(data)
+      self._file.flush()
+
+  @contextlib.contextmanager
+  def _naming_the_file(self):
+    try:
+      yield
+    except OSError as e:
+      raise MetricsWriteError(e.errno, f"cannot write {self._path}: {e.strerror or e}") from None
 
   def resume(self, global_step: int) -> None:
     """Drops rows past `global_step` (an interrupted run's, about to be redone).
@@ -432,7 +457,8 @@ class JsonlWriter:
       try:
         self.flush()
       finally:
-        self._file.close()
+        with self._naming_the_file():
+          self._file.close()  # Writes what a failed flush left in the file's buffer.
 
 
 def _row_step(line: bytes) -> int | None:
@@ -535,7 +561,7 @@ class AsyncWriter:
     self._worker = background.Worker(
         "jaxline_ng-writer", max_pending=max_queue_size,
         on_idle=(_IDLE_FLUSH_SECONDS, writer.flush),
-        raise_as=lambda e: WriterError(f"Background metric writing failed: {e!r}"))
+        raise_as=_background_failure)
     # Readies the wrapped writer (TensorBoard imports TensorFlow, seconds of
     # work) now, while the run starts up, not at its first write.
     if hasattr(writer, "prepare"):

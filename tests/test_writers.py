@@ -583,3 +583,17 @@ def test_async_resume_runs_before_the_writes_after_it(tmp_path):
   writer.write_scalars(2, {"x": 3})
   writer.close()
   assert path.read_bytes() == b'{"step": 1, "x": 1}\n{"step": 2, "x": 3}\n'
+
+
+def test_a_full_disk_under_metrics_is_one_line_naming_the_file():
+  # /dev/full refuses every write with ENOSPC, as a full disk does.
+  for writer in (writers.JsonlWriter("/dev/full"),
+                 writers.AsyncWriter(writers.JsonlWriter("/dev/full"))):
+    writer.write_scalars(1, {"loss": 0.5})
+    with pytest.raises((writers.MetricsWriteError, writers.WriterError)) as raised:
+      writer.flush()
+    assert raised.value.one_line  # The platform prints it as one line, exit 1.
+    assert str(raised.value).endswith(
+        "[Errno 28] cannot write /dev/full: No space left on device")
+    with pytest.raises((writers.MetricsWriteError, writers.WriterError)):
+      writer.close()
