@@ -4,7 +4,7 @@
 
 Prints where the TensorBoard logs, `metrics.jsonl` files and checkpoints
 are, the last step logged per mode, and the best value of the run's
-`best_model_eval_metric` (read from `run.json` and `eval*/metrics.jsonl`).
+`best_model_eval_metric` per evaluator (read from `run.json` and `eval*/metrics.jsonl`).
 Exits non-zero with one line when the directory holds no run.
 """
 
@@ -15,9 +15,25 @@ import sys
 from typing import Any
 
 
+class SummaryError(ValueError):
+  """A metrics file that does not parse; names the file and line."""
+
+
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
+  """The rows of a metrics file; a torn last line (a run killed mid-write) is left out."""
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = f.readlines()
+  rows = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number == len(lines) and not line.endswith("\n"):
+        break
+      raise SummaryError(f"{path}, line {number}: {e}") from None
+  return rows
 
 
 def _best(records: list[dict[str, Any]], metric: str,
@@ -39,12 +55,13 @@ def summarize(checkpoint_dir: str) -> list[str]:
     raise FileNotFoundError(f"{checkpoint_dir}: no <mode>/metrics.jsonl, so no jaxline_ng run")
   lines = [f"Run directory: {os.path.abspath(checkpoint_dir)}"]
   config = {}
+  records_of = {}
   for mode in modes:
     record_path = os.path.join(checkpoint_dir, mode, "run.json")
     if not config and os.path.isfile(record_path):
       with open(record_path) as f:
         config = json.load(f).get("config", {})
-    records = _read_jsonl(os.path.join(checkpoint_dir, mode, "metrics.jsonl"))
+    records = records_of[mode] = _read_jsonl(os.path.join(checkpoint_dir, mode, "metrics.jsonl"))
     last = records[-1] if records else {}
     shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                       for k, v in sorted(last.items()) if k != "step")
@@ -54,12 +71,13 @@ def summarize(checkpoint_dir: str) -> list[str]:
   metric = config.get("best_model_eval_metric")
   if metric:
     higher = config.get("best_model_eval_metric_higher_is_better", True)
-    candidates = [r for mode in modes
-                  if mode.startswith("eval") or mode == "train_eval_multithreaded"
-                  for r in _read_jsonl(os.path.join(checkpoint_dir, mode, "metrics.jsonl"))]
-    best = _best(candidates, metric, higher)
-    if best is not None:
-      lines.append(f"Best {metric}: {best[metric]:.4f} at step {best['step']}")
+    # Each evaluator has its own best: eval_<name> modes evaluate other data.
+    evaluators = [mode for mode in modes if mode.startswith("eval")]
+    for mode in evaluators:
+      best = _best(records_of[mode], metric, higher)
+      if best is not None:
+        of_mode = f" ({mode})" if len(evaluators) > 1 else ""
+        lines.append(f"Best {metric}{of_mode}: {best[metric]:.4f} at step {best['step']}")
 
   checkpoints = os.path.join(checkpoint_dir, "checkpoints")
   if os.path.isdir(checkpoints):
@@ -78,7 +96,7 @@ def main(argv: list[str]) -> int:
     return 2
   try:
     lines = summarize(argv[1])
-  except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError) as e:
+  except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, SummaryError) as e:
     print(f"jaxline_ng.summary: error: {e}", file=sys.stderr)
     return 1
   print("\n".join(lines))

@@ -29,3 +29,26 @@ def test_summary_names_logs_checkpoints_and_best_metric(tmp_path):
 def test_summary_of_a_directory_without_a_run_fails_in_one_line(tmp_path, capsys):
   assert summary.main(["summary", str(tmp_path)]) == 1
   assert "no jaxline_ng run" in capsys.readouterr().err
+
+
+def test_summary_of_a_run_killed_mid_write_skips_its_torn_last_row(tmp_path, capsys):
+  write_jsonl(tmp_path / "train" / "metrics.jsonl", [{"step": 10, "loss": 0.5}])
+  with open(tmp_path / "train" / "metrics.jsonl", "a") as f:
+    f.write('{"step": 20, "lo')  # What kill -9 mid-write leaves.
+  assert "train: 1 logged steps, last step 10" in "\n".join(summary.summarize(str(tmp_path)))
+  (tmp_path / "eval" / "metrics.jsonl").parent.mkdir()
+  (tmp_path / "eval" / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+  assert summary.main(["summary", str(tmp_path)]) == 1
+  assert f"{tmp_path / 'eval' / 'metrics.jsonl'}, line 2: " in capsys.readouterr().err
+
+
+def test_summary_gives_each_evaluator_its_own_best(tmp_path):
+  (tmp_path / "train").mkdir()
+  (tmp_path / "train" / "run.json").write_text(json.dumps({"config": {
+      "best_model_eval_metric": "acc", "best_model_eval_metric_higher_is_better": True}}))
+  write_jsonl(tmp_path / "train" / "metrics.jsonl", [{"step": 10, "loss": 0.5}])
+  write_jsonl(tmp_path / "eval_train" / "metrics.jsonl", [{"step": 10, "acc": 0.99}])
+  write_jsonl(tmp_path / "eval_heldout" / "metrics.jsonl", [{"step": 10, "acc": 0.7}])
+  text = "\n".join(summary.summarize(str(tmp_path)))
+  assert "Best acc (eval_heldout): 0.7000 at step 10" in text
+  assert "Best acc (eval_train): 0.9900 at step 10" in text
