@@ -33,8 +33,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Typed (still None by default), so that the command line can set them.
   config.logging_interval_type = config_dict.placeholder(str)
   config.checkpoint_interval_type = config_dict.placeholder(str)
-  # e.g. (1, 2, 5): also act at steps 1, 2, 5, 10, 20, 50, 100, ...
-  config.periodic_action_growth_ratios = None
+  # e.g. (1, 2, 5): also act at steps 1, 2, 5, 10, 20, 50, 100, ... (typed, as above)
+  config.periodic_action_growth_ratios = config_dict.placeholder(tuple)
   config.log_all_train_data = False
 
   # Writers.

@@ -49,15 +49,17 @@ def test_a_config_with_only_jaxlines_keys_takes_the_defaults_of_the_others():
     config.compilation_cache_dir = 3
 
 
-def test_interval_type_overrides_are_settable_from_the_command_line(monkeypatch):
-  argv = ["prog", "--config.checkpoint_interval_type=steps", "--config.logging_interval_type=secs"]
+def test_keys_that_default_to_none_are_settable_from_the_command_line(monkeypatch):
+  argv = ["prog", "--config.checkpoint_interval_type=secs", "--config.logging_interval_type=steps",
+          "--config.periodic_action_growth_ratios=(1, 2, 5)"]
   monkeypatch.setattr("sys.argv", argv)  # ml_collections reads the overrides from sys.argv.
   flag_values = flags.FlagValues()
   config_flags.DEFINE_config_dict("config", base_config.get_base_config(),
                                   flag_values=flag_values)
   flag_values(argv)
   config = flag_values.config
-  assert (config.checkpoint_interval_type, config.logging_interval_type) == ("steps", "secs")
+  assert (config.checkpoint_interval_type, config.logging_interval_type) == ("secs", "steps")
+  assert config.periodic_action_growth_ratios == (1, 2, 5)
   base_config.validate_config(config)
 
 
