@@ -423,7 +423,7 @@ class JsonlWriter:
       keep -= 1
     if keep == len(lines):
       return
-    if global_step == 0:
+    if global_step <= 0:
       # No checkpoint to resume from: these rows are an earlier run's (its
       # checkpoints deleted, or never durable). Kept beside, never dropped.
       self._set_aside(len(lines))

@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import functools
+import json
 import os
 import shutil
 
@@ -14,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxline_ng import base_config, disk_checkpointing, experiment, train, utils
+from jaxline_ng import base_config, disk_checkpointing, experiment, train, utils, writers
 
 Moments = collections.namedtuple("Moments", ["mean", "count"])
 
@@ -219,6 +220,18 @@ def test_evaluators_of_different_modes_keep_best_series_of_their_own(tmp_path):
   assert series_steps(tmp_path, "best") == series_steps(tmp_path, "best_heldout") == [4]
   heldout = disk_checkpointing.DiskCheckpointer(config, "eval_heldout")
   assert heldout.restore_path("best").endswith(os.path.join("best_heldout", "4"))
+
+
+def test_a_restarted_evaluator_writes_each_step_once(tmp_path):
+  config = disk_config(tmp_path, 4)
+  run(config)
+  path = tmp_path / "eval" / "metrics.jsonl"
+  for _ in range(2):  # The second evaluator redoes the newest checkpoint.
+    writer = writers.JsonlWriter(str(path))
+    train.evaluate(Rich, config, disk_checkpointing.DiskCheckpointer(config, "eval"), writer,
+                   jaxline_mode="eval")
+    writer.close()
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [4]
 
 
 def test_read_without_an_experiment(tmp_path):
