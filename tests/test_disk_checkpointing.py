@@ -473,10 +473,15 @@ def _train(experiment_class, config):
   return checkpointer.get_experiment_state("latest").experiment_module
 
 
+def _uninterrupted_and_resumed(experiment_class, tmp_path, steps, stopped_at=4):
+  """The experiments at the end of a run of `steps` and of one stopped and resumed."""
+  uninterrupted = _train(experiment_class, disk_config(tmp_path / "once", steps))
+  _train(experiment_class, disk_config(tmp_path / "twice", stopped_at))
+  return uninterrupted, _train(experiment_class, disk_config(tmp_path / "twice", steps))
+
+
 def test_state_built_in_the_first_step_resumes_instead_of_starting_afresh(tmp_path):
-  uninterrupted = _train(BuiltInFirstStep, disk_config(tmp_path / "once", 7))
-  _train(BuiltInFirstStep, disk_config(tmp_path / "twice", 4))
-  resumed = _train(BuiltInFirstStep, disk_config(tmp_path / "twice", 7))
+  uninterrupted, resumed = _uninterrupted_and_resumed(BuiltInFirstStep, tmp_path, 7)
   assert isinstance(utils.get_first(resumed._moments), Moments)  # pylint: disable=protected-access
   assert int(utils.get_first(resumed._moments).count) == 7  # pylint: disable=protected-access
   _assert_same_arrays((resumed._params, resumed._opt_state, resumed._moments),  # pylint: disable=protected-access
@@ -583,9 +588,7 @@ class KfacStyleStateBuiltInFirstStep(experiment.AbstractExperiment):
 
 
 def test_a_pytree_dataclass_built_in_the_first_step_resumes(tmp_path):
-  uninterrupted = _train(KfacStyleStateBuiltInFirstStep, disk_config(tmp_path / "once", 6))
-  _train(KfacStyleStateBuiltInFirstStep, disk_config(tmp_path / "twice", 4))
-  resumed = _train(KfacStyleStateBuiltInFirstStep, disk_config(tmp_path / "twice", 6))
+  uninterrupted, resumed = _uninterrupted_and_resumed(KfacStyleStateBuiltInFirstStep, tmp_path, 6)
   state = utils.get_first(resumed._opt_state)  # pylint: disable=protected-access
   assert type(state) is OptimizerState and type(state.estimator) is SecondMoment
   assert type(state.statistics) is Statistics
@@ -624,9 +627,7 @@ class HaikuFlatMapBuiltInFirstStep(experiment.AbstractExperiment):
 
 
 def test_haiku_flatmap_state_built_in_the_first_step_resumes_and_evaluates(tmp_path):
-  uninterrupted = _train(HaikuFlatMapBuiltInFirstStep, disk_config(tmp_path / "once", 6))
-  _train(HaikuFlatMapBuiltInFirstStep, disk_config(tmp_path / "twice", 4))
-  resumed = _train(HaikuFlatMapBuiltInFirstStep, disk_config(tmp_path / "twice", 6))
+  uninterrupted, resumed = _uninterrupted_and_resumed(HaikuFlatMapBuiltInFirstStep, tmp_path, 6)
   assert type(utils.get_first(resumed._params)) is type(utils.get_first(uninterrupted._params))  # pylint: disable=protected-access
   assert not isinstance(utils.get_first(resumed._params), dict)  # pylint: disable=protected-access
   _assert_same_arrays((resumed._params, resumed._opt_state),  # pylint: disable=protected-access
