@@ -79,7 +79,9 @@ class NonFiniteGuard(periodic.EveryStepAction):
   thread; `observe` and what `seal` returns may run on any thread.
   """
 
-  def __init__(self, policy: str):
+  def __init__(self, policy: str, start_step: int = 0):
+    """`start_step`: the step training resumes after; steps up to it were
+    checked before they were saved."""
     self._policy = policy
     self._unchecked: collections.deque[tuple[int, Any]] = collections.deque()
     self._lock = threading.Lock()  # Uncontended on the loop's thread: ~0.1 us.
@@ -88,7 +90,9 @@ class NonFiniteGuard(periodic.EveryStepAction):
     self._bad_seen: tuple[int, list[str]] | None = None
     self._failure: NonFiniteError | None = None
     self._failed_step: int | None = None
-    self._newest_step = -1  # For `verdict_through`, on another thread.
+    # For `verdict_through`, on another thread: a rerun of a finished run
+    # runs no step, yet its final save of `start_step` awaits a verdict.
+    self._newest_step = start_step
     # Checks covering the same steps (the loop's, a save worker's) may report
     # at once; each step is examined once, so "warn" logs it once.
     self._report_lock = threading.Lock()

@@ -332,7 +332,7 @@ def train(experiment_class, config, checkpointer, writer,
     writer.resume(state.global_step)
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
-  guard = guards.NonFiniteGuard(config.non_finite_policy)
+  guard = guards.NonFiniteGuard(config.non_finite_policy, start_step=state.global_step)
   # With several processes the chief's saves wait for the others' guards,
   # unless every process saves: its own tree (`train_checkpoint_all_hosts`),
   # or its shards of global arrays, whose scalars every process sees alike.

@@ -122,6 +122,15 @@ def test_a_sealed_check_covers_exactly_the_steps_before_it():
     guard(0.0, 12, {"loss": double(ones)})
 
 
+def test_a_peer_answers_at_once_for_the_step_it_resumed_at():
+  """A finished multi-process run launched again runs no step; the chief's
+  final save of the restored step waits for each peer's verdict on it."""
+  guard = guards.NonFiniteGuard("halt", start_step=10)
+  deadline = time.monotonic() + 5
+  assert guard.verdict_through(10, give_up=lambda: time.monotonic() > deadline) == "ok"
+  assert time.monotonic() < deadline
+
+
 def test_warn_logs_each_bad_step_once_when_two_checks_cover_it(caplog):
   """The loop's final check and the disk checkpointer's check of the final
   save cover the same steps; "warn" logged the last bad step twice."""
