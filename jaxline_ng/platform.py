@@ -62,10 +62,10 @@ def check_tpu_flags() -> None:
 
 
 def _override_naming(key: str) -> str | None:
-  """The `--config.a.b.key` argument on the command line that names `key`, if any."""
+  """The `--config.a.b.c` argument on the command line that has `key` in its path, if any."""
   for arg in sys.argv[1:]:
     path = arg.split("=", 1)[0]
-    if path.startswith("--config.") and path.rsplit(".", 1)[-1] == key:
+    if path.startswith("--config.") and key in path.split(".")[1:]:
       return path
   return None
 

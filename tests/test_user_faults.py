@@ -45,14 +45,17 @@ def test_relative_checkpoint_dir_with_disk_checkpoints(tmp_path):
     assert json.load(f)["config"]["checkpoint_dir"] == str(run_dir)
 
 
-def test_override_one_letter_off_a_key_is_one_line_with_a_hint(tmp_path):
-  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_step=5"),
-               timeout=60)
+@pytest.mark.parametrize("override,key,close", [
+    ("--config.training_step", "training_step", "training_steps"),
+    ("--config.experiment_kwargs.configg.learning_rate", "configg", "config"),
+])
+def test_override_one_letter_off_a_key_is_one_line_with_a_hint(tmp_path, override, key, close):
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", f"{override}=5"), timeout=60)
   assert result.returncode != 0
   assert "Traceback" not in result.stderr
-  lines = [line for line in result.stderr.splitlines() if "--config.training_step:" in line]
+  lines = [line for line in result.stderr.splitlines() if f"{override}:" in line]
   assert len(lines) == 1, result.stderr[-2000:]
-  assert "has no key 'training_step' there (did you mean 'training_steps'?)" in lines[0]
+  assert f"has no key {key!r} there (did you mean {close!r}?)" in lines[0]
   assert "Did you mean" not in result.stderr
 
 
