@@ -43,8 +43,8 @@ POLICIES = ("halt", "warn", "off")
 MAX_UNCHECKED = 1000
 # PeerChecks' keys: the chief's n-th save announces its step, every other
 # process answers with its verdict.
-_SAVE_KEY = "jaxline_ng/save/{}"
-_VERDICT_KEY = "jaxline_ng/verdict/{}/{}"
+_SAVE_KEY = "save/{}"  # `multihost.run_key`s.
+_VERDICT_KEY = "verdict/{}/{}"
 # How often a verdict waits to see whether the loop has run the step asked about.
 _VERDICT_POLL_SECS = 0.01
 
@@ -274,11 +274,11 @@ class PeerChecks:
     def agree():
       index = self._saves  # Saves are checked in order, on one worker.
       self._saves += 1
-      multihost.key_value_set(_SAVE_KEY.format(index), str(step))
+      multihost.key_value_set(multihost.run_key(_SAVE_KEY.format(index)), str(step))
       for process in range(jax.process_count()):
         if process == jax.process_index():
           continue
-        verdict = multihost.key_value_wait(_VERDICT_KEY.format(index, process),
+        verdict = multihost.key_value_wait(multihost.run_key(_VERDICT_KEY.format(index, process)),
             give_up=lambda: multihost.published_failure() is not None)
         if verdict is None:
           verdict = multihost.published_failure().split(" ", 2)[2]
@@ -294,11 +294,13 @@ class PeerChecks:
     def serve():
       index = 0
       while True:
-        step = multihost.key_value_wait(_SAVE_KEY.format(index), give_up=self._closed.is_set)
+        step = multihost.key_value_wait(multihost.run_key(_SAVE_KEY.format(index)),
+                                        give_up=self._closed.is_set)
         if step is None:
           return
         verdict = self._guard.verdict_through(int(step), give_up=self._closed.is_set)
-        multihost.key_value_set(_VERDICT_KEY.format(index, jax.process_index()), verdict)
+        multihost.key_value_set(
+            multihost.run_key(_VERDICT_KEY.format(index, jax.process_index())), verdict)
         index += 1
 
     self._answering = threading.Thread(target=serve, name="jaxline_ng_peer_checks", daemon=True)

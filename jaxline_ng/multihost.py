@@ -84,7 +84,8 @@ _INITIALIZATION_TIMEOUT_SECS = 300
 def initialize_if_requested() -> bool:
   """Calls `jax.distributed.initialize` when the flags ask for a multi-process run.
 
-  Must run before any JAX device is touched. Returns whether it initialised.
+  Must run before any JAX device is touched. Returns whether the run is a
+  multi-process one (its runtime started now, or by an earlier call).
   """
   for name, value in _BAD_ENV.items():
     raise MultihostError(f"${name}={value!r} is not an integer")
@@ -117,8 +118,16 @@ def initialize_if_requested() -> bool:
       raise MultihostError(
           f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "
           "(or set $JAX_PROCESS_ID)")
-    if _PROCESS_ID.value == 0:
-      _refuse_a_taken_port(int(port))
+  if jax.distributed.is_initialized():
+    # An earlier `platform.main` call of this program started it (JAX starts
+    # it once a process); process 0's own coordinator holds the port now.
+    if num_processes is not None and jax.process_count() != num_processes:
+      raise MultihostError(
+          f"--jaxline_num_processes={num_processes}, but the distributed runtime this "
+          f"process started before has {jax.process_count()} processes")
+    return True
+  if not _DISTRIBUTED.value and _PROCESS_ID.value == 0:
+    _refuse_a_taken_port(int(port))
   # The wait for every process to join cannot fail early (a peer may start
   # minutes late) and JAX's timeout aborts the process without a word: say
   # what it waits for, so a process that never comes is found from this line.
@@ -238,6 +247,23 @@ _WATCH_MS = 1000
 # a step that a dead peer's collective blocks.
 _PEER_FAILURE_FLUSH_SECS = 10.0
 _at_peer_failure: list[Callable[[], None]] = []
+# Which `platform.main` call of this program runs (`begin_run`): published
+# code may call it twice (train, then evaluate), and every process makes the
+# same calls, so one call's store keys (`run_key`) never meet another's.
+_run_index = 0
+
+
+def begin_run() -> None:
+  """Gives the `platform.main` call that starts now store keys of its own, and
+  drops the callbacks an earlier call registered with `at_peer_failure`."""
+  global _run_index  # pylint: disable=global-statement
+  _run_index += 1
+  _at_peer_failure.clear()
+
+
+def run_key(name: str) -> str:
+  """The key-value store key `name` of the current `platform.main` call."""
+  return f"jaxline_ng/run{_run_index}/{name}"
 
 
 def is_multiprocess() -> bool:
@@ -341,7 +367,7 @@ def key_value_try_get(key: str) -> str | None:
 
 
 # Each process's launch (mode and config), as `check_same_launch` publishes it.
-_LAUNCH_KEY = "jaxline_ng/launch/{}"
+_LAUNCH_KEY = "launch/{}"  # A `run_key`.
 
 
 def check_same_launch(launch: dict[str, Any]) -> None:
@@ -358,9 +384,10 @@ def check_same_launch(launch: dict[str, Any]) -> None:
     return
   published = json.dumps(launch, sort_keys=True)
   if is_chief():
-    key_value_set(_LAUNCH_KEY.format(0), published)
+    key_value_set(run_key(_LAUNCH_KEY.format(0)), published)
     return
-  chiefs = key_value_wait(_LAUNCH_KEY.format(0), give_up=lambda: published_failure() is not None)
+  chiefs = key_value_wait(run_key(_LAUNCH_KEY.format(0)),
+                          give_up=lambda: published_failure() is not None)
   if chiefs is None:
     return
   mine, chiefs = json.loads(published), json.loads(chiefs)  # Both as JSON reads them.
@@ -419,12 +446,19 @@ def published_failure() -> str | None:
   return key_value_try_get(_FAILURE_KEY)
 
 
+_watching = threading.Event()  # Set once `exit_when_a_peer_fails` started its watcher.
+
+
 def exit_when_a_peer_fails() -> None:
   """Starts a daemon thread that ends this process when another process publishes a failure.
 
   Without it a failed peer leaves this process waiting in a collective until
   the runtime's heartbeat times out (100 s), and the rest of the run with it.
+  Once per process: a later `platform.main` call keeps the first watcher.
   """
+  if _watching.is_set():
+    return
+  _watching.set()
   done = threading.Event()
 
   def watch():

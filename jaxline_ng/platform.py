@@ -352,6 +352,7 @@ def main(experiment_class, argv: Sequence[str],
     config = _as_config_dict(config)
     if multihost.initialize_if_requested():
       multihost.exit_when_a_peer_fails()
+    multihost.begin_run()
     base_config.validate_config(config)
     _make_checkpoint_dir_absolute(config)
     check_mode(mode)

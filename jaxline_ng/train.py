@@ -632,7 +632,7 @@ def _agreed(decision: int, choose) -> tuple[str, str | None]:
   distributed runtime's key-value store; the others wait for it there,
   passing on any stop request they get meanwhile.
   """
-  key = f"jaxline_ng/eval_decision/{decision}"
+  key = multihost.run_key(f"eval_decision/{decision}")
   if multihost.is_chief():
     choice = choose()
     multihost.key_value_set(key, json.dumps(choice))
@@ -647,7 +647,7 @@ def _agreed(decision: int, choose) -> tuple[str, str | None]:
 
 
 # Written by the first process of a multi-process evaluation asked to stop.
-_EVAL_STOP_KEY = "jaxline_ng/eval_stop"
+_EVAL_STOP_KEY = "eval_stop"  # A `multihost.run_key`.
 
 
 def _stop_evaluating() -> bool:
@@ -660,9 +660,10 @@ def _stop_evaluating() -> bool:
   if not multihost.is_multiprocess():
     return preemption.stop_requested()
   if preemption.stop_requested():
-    multihost.key_value_set(_EVAL_STOP_KEY, str(jax.process_index()), allow_existing=True)
+    multihost.key_value_set(multihost.run_key(_EVAL_STOP_KEY), str(jax.process_index()),
+                            allow_existing=True)
     return True
-  return multihost.key_value_try_get(_EVAL_STOP_KEY) is not None
+  return multihost.key_value_try_get(multihost.run_key(_EVAL_STOP_KEY)) is not None
 
 
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,

@@ -178,3 +178,33 @@ def test_process_0_on_a_port_another_coordinator_holds_stops_naming_the_address(
   assert result.stdout.startswith(
       f"error: --jaxline_coordinator_address=127.0.0.1:{port}: port {port} is in use"), (
           result.stdout + result.stderr[-2000:])
+
+
+TWICE = """
+import functools, os, sys
+from absl import app, flags
+sys.path.insert(0, os.path.join({root!r}, "tests", "experiments"))
+import toy
+from jaxline_ng import platform
+
+def main(argv):
+  # emergent_in_context_learning's main: platform.main, then platform.main again.
+  platform.main(toy.Experiment, argv)
+  platform.main(toy.Experiment, argv)
+
+if __name__ == "__main__":
+  app.run(main)
+"""
+
+
+def test_platform_main_twice_in_one_program_and_a_rerun_of_a_finished_run(tmp_path):
+  script = tmp_path / "twice.py"
+  script.write_text(TWICE.format(root=ROOT))
+  # The second call finds the run finished: it restores the last step, runs
+  # none, and saves it again, which waits for process 1's verdict on it.
+  result = launch([sys.executable, str(script), *toy(tmp_path / "run")[2:],
+                   "--config.training_steps=6"], timeout=120)
+  assert result.returncode == 0, result.stdout[-4000:]
+  restored = [line for line in result.stdout.splitlines() if "Restored checkpoint" in line]
+  assert sorted(line.split()[0] for line in restored) == ["[p0]", "[p1]"]
+  assert final_params(tmp_path / "run")[0] == 6
