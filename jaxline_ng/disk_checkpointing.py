@@ -118,10 +118,10 @@ def _tree_path(entry_name: str, path) -> list[str]:
   return [*entry_name.split("/"), *(_key_name(key) for key in path)]
 
 
-def _leaf_names(entry_name: str, value: Any) -> list[str]:
-  """The orbax names of `value`'s leaves, in the order JAX flattens them."""
-  return ["/".join(_tree_path(entry_name, path))
-          for path, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+def _named_leaves(entry_name: str, value: Any) -> dict[str, Any]:
+  """`value`'s leaves by their orbax names, in the order JAX flattens them."""
+  return {"/".join(_tree_path(entry_name, path)): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]}
 
 
 def _skeleton(value: Any) -> Any:
@@ -205,7 +205,7 @@ def _pytree_dataclass_fields(node: Any) -> list[str] | None:
   return names
 
 
-class _NotImported(LookupError):
+class _NotRebuilt(LookupError):
   """A skeleton's class is not among this program's imported classes, or does
   not rebuild; the message says which, following "its"."""
 
@@ -218,12 +218,26 @@ def _imported_class(kind: str, name: str, fits: Callable[[type], bool]) -> type:
   for part in qualname.split("."):
     cls = getattr(cls, part, None)
   if not (isinstance(cls, type) and fits(cls)):
-    raise _NotImported(f"{kind} {name} is not imported (or has other fields)")
+    raise _NotRebuilt(f"{kind} {name} is not imported (or has other fields)")
   return cls
 
 
+def _constructed(described: str, source: str, construct: Callable[[], Any],
+                 flattens_as_saved: Callable[[Any], bool], otherwise: str) -> Any:
+  """`construct()`, the experiment's class built from restored values, if JAX
+  still flattens it as it did when saved; raises _NotRebuilt saying why not."""
+  try:
+    value = construct()
+  except (TypeError, ValueError) as e:  # A constructor of its own, a __post_init__ check.
+    raise _NotRebuilt(f"{described} does not rebuild from {source} "
+                      f"({type(e).__name__}: {e})") from None
+  if not flattens_as_saved(value):
+    raise _NotRebuilt(f"{described} is not imported (or {otherwise})")
+  return value
+
+
 def _rebuild(skeleton: Any, leaves: list) -> Any:
-  """The value `skeleton` describes, with `leaves`; raises _NotImported."""
+  """The value `skeleton` describes, with `leaves`; raises _NotRebuilt."""
   if "namedtuple" in skeleton:
     cls = _imported_class("NamedTuple class", skeleton["namedtuple"], lambda cls: issubclass(
         cls, tuple) and len(getattr(cls, "_fields", ())) == len(skeleton["fields"]))
@@ -233,27 +247,18 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
     cls = _imported_class("dataclass", skeleton["dataclass"],
                           lambda cls: dataclasses.is_dataclass(cls)
                           and sorted(_init_fields(cls)) == sorted(names))
-    try:  # Field by field by name: the class may declare them in another order now.
-      value = cls(**{name: _rebuild(v, leaves) for name, v in skeleton["fields"]})
-    except (TypeError, ValueError) as e:  # A constructor of its own, a __post_init__ check.
-      raise _NotImported(f"dataclass {skeleton['dataclass']} does not rebuild from its "
-                         f"fields ({type(e).__name__}: {e})") from None
-    if _pytree_dataclass_fields(value) is None:  # No longer a pytree of its fields.
-      raise _NotImported(f"dataclass {skeleton['dataclass']} is not imported (or has "
-                         "other fields)")
-    return value
+    # Field by field by name: the class may declare them in another order now.
+    return _constructed(
+        f"dataclass {skeleton['dataclass']}", "its fields",
+        lambda: cls(**{name: _rebuild(v, leaves) for name, v in skeleton["fields"]}),
+        lambda value: _pytree_dataclass_fields(value) is not None, "has other fields")
   if "mapping" in skeleton:
     cls = _imported_class("Mapping class", skeleton["mapping"],
                           lambda cls: issubclass(cls, Mapping))
-    try:
-      value = cls({key: _rebuild(v, leaves) for key, v in skeleton["dict"].items()})
-    except (TypeError, ValueError) as e:
-      raise _NotImported(f"Mapping class {skeleton['mapping']} does not rebuild from a dict "
-                         f"({type(e).__name__}: {e})") from None
-    if not _flattens_as_a_dict(value):
-      raise _NotImported(f"Mapping class {skeleton['mapping']} is not imported (or flattens "
-                         "otherwise)")
-    return value
+    return _constructed(
+        f"Mapping class {skeleton['mapping']}", "a dict",
+        lambda: cls({key: _rebuild(v, leaves) for key, v in skeleton["dict"].items()}),
+        _flattens_as_a_dict, "flattens otherwise")
   if "none" in skeleton:
     return None
   if "leaf" in skeleton:
@@ -489,7 +494,7 @@ def _in_live_order(entry: dict[str, Any], leaves: list, live: Any, name: str) ->
   weights): names that differ do not fit. Fields reordered are matched up.
   """
   saved = ["/".join(leaf["array"]) if "array" in leaf else None for leaf in entry["leaves"]]
-  live_names = _leaf_names(name, live)
+  live_names = list(_named_leaves(name, live))
   if all(saved_name in (None, live_name) for saved_name, live_name in zip(saved, live_names)):
     return leaves
   if None not in saved and sorted(saved) == sorted(live_names):
@@ -518,7 +523,7 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
   not_rebuilt = None
   try:
     value = None if entry["skeleton"] is None else _rebuild(entry["skeleton"], leaves)
-  except _NotImported as e:
+  except _NotRebuilt as e:
     value, not_rebuilt = None, e.args[0]
   if value is not None or entry["skeleton"] == {"none": True}:
     # Same leaves, other node types (a class the skeleton cannot name): take the live ones.
@@ -579,8 +584,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
   for name, entry in entries.items():
     if not wanted(name):
       continue
-    live_leaves = {} if name == "train_step_rng" else dict(zip(
-        _leaf_names(name, live.get(name)), jax.tree.leaves(live.get(name))))
+    live_leaves = {} if name == "train_step_rng" else _named_leaves(name, live.get(name))
     for leaf in entry["leaves"]:
       if "array" not in leaf:
         continue
@@ -809,6 +813,9 @@ class DiskCheckpointer:
   def _series_dir(self, ckpt_series: str) -> str:
     return os.path.join(self._root, self._dir_name(ckpt_series))
 
+  def _read_series_dir(self, ckpt_series: str) -> str:
+    return os.path.join(self._read_root, self._dir_name(ckpt_series))
+
   def _manager(self, ckpt_series: str) -> ocp.CheckpointManager:
     with self._lock:
       if ckpt_series not in self._managers:
@@ -891,7 +898,7 @@ class DiskCheckpointer:
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
-    series_dir = os.path.join(self._read_root, self._dir_name(ckpt_series))
+    series_dir = self._read_series_dir(ckpt_series)
     paths = [os.path.join(series_dir, str(step)) for step in reversed(_steps(series_dir))]
     if not paths and ckpt_series == "latest" and self._restore_path:
       # Another run's series, or its checkpoint_dir; else a step directory.
@@ -927,7 +934,7 @@ class DiskCheckpointer:
     if path in candidates:
       candidates = candidates[candidates.index(path):]
     state = self.get_experiment_state(ckpt_series)
-    fresh_run = not _steps(os.path.join(self._read_root, self._dir_name(ckpt_series)))
+    fresh_run = not _steps(self._read_series_dir(ckpt_series))
     live = checkpointing.snapshotted_items(state)
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)
