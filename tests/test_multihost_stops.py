@@ -199,11 +199,10 @@ def test_a_second_ctrl_c_to_one_process_ends_every_process_at_once_with_75(tmp_p
   assert time.monotonic() - signalled < 30, launch.output
 
 
-def test_the_wall_clock_budget_stops_every_process_after_one_agreed_step(
-    tmp_path, uninterrupted):
+def test_the_wall_clock_budget_stops_every_process_after_one_agreed_step(tmp_path):
   launch = Launch(toy(tmp_path, PACED, "--config.wall_clock_budget_secs=2"))
   launch.wait_for(r"^\[p0\] .*wall-clock budget of 2s is spent")
-  _stop_then_resume_exactly(tmp_path, uninterrupted, launch)
+  _stop_then_resume_exactly(tmp_path, None, launch, resume=False)
 
 
 def saved_steps(checkpoint_dir) -> list[int]:
