@@ -31,6 +31,7 @@ from jaxline_ng import (
   run_lock,
   run_record,
   train,
+  writers,
 )
 
 FLAGS = flags.FLAGS
@@ -142,6 +143,15 @@ def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:
   return checkpointing.InMemoryCheckpointer(config, mode)
 
 
+class TensorBoardLogger(writers.TensorBoardWriter):
+  """jaxline's writer class, kept for code that builds or subclasses it:
+  TensorBoard events in `<checkpoint_dir>/<mode>`, written synchronously.
+  `create_writer` is what the platform uses (with `metrics.jsonl` too)."""
+
+  def __init__(self, config, mode: str):
+    super().__init__(os.path.join(config.checkpoint_dir, mode))
+
+
 def create_writer(config, mode: str):
   """A TensorBoard + JSONL writer for `<checkpoint_dir>/<mode>`, or None.
 
@@ -152,7 +162,6 @@ def create_writer(config, mode: str):
   """
   if not (multihost.is_chief() or config.log_all_hosts):
     return None
-  from jaxline_ng import writers  # Deferred: keeps `import platform` light.
   logdir = os.path.join(config.checkpoint_dir, mode)
   if not multihost.is_chief():
     logdir = os.path.join(logdir, f"process_{jax.process_index()}")

@@ -157,6 +157,16 @@ def test_tensorboard_scalars_round_trip_exactly(tmp_path):
     writer.write_scalars(8, {"loss": 0.0})
 
 
+def test_jaxlines_tensorboard_logger_writes_to_the_modes_directory(tmp_path):
+  from jaxline_ng import base_config, platform  # pylint: disable=import-outside-toplevel
+  config = base_config.get_base_config()
+  config.checkpoint_dir = str(tmp_path)
+  logger = platform.TensorBoardLogger(config, "eval")  # jaxline's constructor
+  logger.write_scalars(3, {"accuracy": 0.75})
+  logger.close()
+  assert _read_scalars(tmp_path / "eval") == [(3, "accuracy", 0.75)]
+
+
 def test_tensorboard_writer_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
   temp_dir = tmp_path / "temp"
   temp_dir.mkdir()
