@@ -176,10 +176,12 @@ def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
   """Parses flags and starts absl logging when `main` is called without `app.run`.
 
   Published code calls `platform.main(Experiment, sys.argv[1:])` directly;
-  that argv has no program name.
+  that argv has no program name. Some (tapnet) do so from the `main` of
+  `app.run`, which has parsed the flags already: jaxline ignored `argv`, so
+  the command line passed on again is not taken for extra arguments.
   """
   if FLAGS.is_parsed():
-    return argv
+    return sys.argv[:1] if argv and list(argv) == sys.argv[1:] else argv
   # ml_collections takes `--config.key=value` overrides from `sys.argv`, not
   # from the arguments parsed: they must be the same list.
   sys.argv = [sys.argv[0], *argv]

@@ -76,6 +76,7 @@ def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
     ([f"--config={TOY}", "--config.checkpoint_dir=/proc/no_such_dir"],
      "config.checkpoint_dir='/proc/no_such_dir': cannot write"),
     ([], "--config"),
+    ([f"--config={TOY}", "trian"], "Too many command-line arguments: ['trian']"),
     ([f"--config={TOY}", "--jaxline_ensure_tpu"], "--jaxline_ensure_tpu: JAX's default backend"),
     ([f"--config={TOY}", "--jaxline_tpu_driver=grpc://10.0.0.2:8470"],
      "--jaxline_tpu_driver='grpc://10.0.0.2:8470': JAX removed"),
@@ -99,16 +100,22 @@ def test_syntax_error_in_config_file_is_one_line(tmp_path):
   assert f"config file '{bad}' line 1: SyntaxError" in result.stderr
 
 
-def test_bare_main_call_with_unparsed_flags(tmp_path):
-  """Published code calls platform.main(Exp, sys.argv[1:]) without app.run."""
-  script = tmp_path / "bare.py"
+@pytest.mark.parametrize("call", [
+    "platform.main(toy.Experiment, sys.argv[1:])",
+    # tapnet: app.run's main passes the command line on, already parsed.
+    "app.run(lambda argv: platform.main(toy.Experiment, sys.argv[1:]))",
+], ids=["bare", "under_app_run"])
+def test_main_given_the_command_line_as_published_code_calls_it(tmp_path, call):
+  """Published code calls platform.main(Exp, sys.argv[1:]), with or without app.run."""
+  script = tmp_path / "published_main.py"
   script.write_text(
       "import sys\n"
       f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
       "import toy\n"
+      "from absl import app\n"
       "from jaxline_ng import platform\n"
-      "platform.main(toy.Experiment, sys.argv[1:])\n")
-  result = run(f"--config={os.path.join(ROOT, TOY)}", f"--config.checkpoint_dir={tmp_path}",
+      f"{call}\n")
+  result = run("--config", os.path.join(ROOT, TOY), f"--config.checkpoint_dir={tmp_path}",
                "--config.training_steps=3", script=str(script))
   assert result.returncode == 0, result.stderr
   assert read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 3
