@@ -524,14 +524,14 @@ def evaluate(experiment_class, config, checkpointer, writer,
     raise base_config.ConfigError(
         f"config.one_off_evaluate=True but {config.checkpoint_dir} has no checkpoint to "
         "evaluate (set config.eval_initial_weights=True to evaluate the initial weights)")
-  restored_path = None
+  restored = _checkpoint_version(None)
   evaluated_step = -1
   initial_weights_pending = config.eval_initial_weights
   asked_to_stop = False
   for decision in itertools.count():
     # --- Wait for something to evaluate. ---
     def next_checkpoint():
-      return _next_checkpoint(checkpointer, restored_path, initial_weights_pending,
+      return _next_checkpoint(checkpointer, restored, initial_weights_pending,
                               stop_waiting, poll_interval_secs)
     action, path = _agreed(decision, next_checkpoint) if follow_chief else next_checkpoint()
     if action == "stop":
@@ -540,12 +540,12 @@ def evaluate(experiment_class, config, checkpointer, writer,
     if action == "done":
       break
     if action == "restore":
+      restored = _checkpoint_version(path)  # Before restoring: a save meanwhile is new.
       with experiment_lib.log_activity("checkpoint restore"):
         if follow_chief:
           checkpointer.restore("latest", path=path)  # The chief's choice, not a newer one.
         else:
           checkpointer.restore("latest")
-      restored_path = path
       if state.global_step <= evaluated_step:
         continue
     else:  # "initial"
@@ -596,10 +596,27 @@ def flush_if_possible(writer) -> None:
     flush()
 
 
-def _next_checkpoint(checkpointer, restored_path, initial_weights_pending: bool, stop_waiting,
+def _checkpoint_version(path: Any) -> tuple:
+  """What tells the checkpoint `restore_path` names from the next one.
+
+  jaxline_ng's checkpointers name each checkpoint differently. A user's may
+  overwrite one file at every save (tapnet's `NumpyFileCheckpointer`), so
+  its path stays the same while the file's identity, time and size change.
+  """
+  if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+    try:
+      info = os.stat(path)
+    except OSError:  # Replaced just now: the next poll sees the new file.
+      return (path,)
+    return (path, info.st_ino, info.st_mtime_ns, info.st_size)
+  return (path,)
+
+
+def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: bool, stop_waiting,
                      poll_interval_secs: float) -> tuple[str, str | None]:
   """Waits for the evaluator's next action: `(action, checkpoint path or None)`.
 
+  `restored` is the `_checkpoint_version` of the checkpoint evaluated last.
   The action is "stop" (a stop request), "restore" (a new checkpoint),
   "initial" (evaluate the initial weights) or "done" (`stop_waiting()`: no
   new checkpoint will come).
@@ -609,7 +626,7 @@ def _next_checkpoint(checkpointer, restored_path, initial_weights_pending: bool,
     if _stop_evaluating():
       return "stop", None
     path = checkpointer.restore_path("latest")
-    if path is not None and path != restored_path:
+    if path is not None and _checkpoint_version(path) != restored:
       return "restore", path
     if path is None and initial_weights_pending:
       return "initial", None
@@ -617,7 +634,7 @@ def _next_checkpoint(checkpointer, restored_path, initial_weights_pending: bool,
       return "done", None
     if not logged_wait:  # Once a wait: a silent evaluator looks hung.
       logging.info("[jaxline_ng] Waiting for a new checkpoint (last evaluated: %s).",
-                   restored_path or "none")
+                   restored[0] if restored[0] is not None else "none")
       logged_wait = True
     preemption.wait_for_stop(poll_interval_secs)  # A stop request ends the wait at once.
 

@@ -1,9 +1,11 @@
 """The evaluation loop and best-metric checkpointing."""
 
+import os
 import threading
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -195,3 +197,53 @@ def test_one_off_evaluate_without_a_checkpoint_is_one_line_not_a_wait():
                      f"{config.checkpoint_dir} has no checkpoint to evaluate"):
     train.evaluate(Scripted, config, checkpointing.InMemoryCheckpointer(config, "eval"), None,
                    jaxline_mode="eval", poll_interval_secs=0.01, stop_waiting=lambda: True)
+
+
+class OneFileCheckpointer:
+  """A checkpointer that overwrites one file at each save, as tapnet's
+  `NumpyFileCheckpointer` does: its `restore_path` is always the same."""
+
+  def __init__(self, path):
+    self.path = str(path)
+    self._state = ml_collections.ConfigDict()  # jaxline's kind of live state
+
+  def publish(self, step):
+    """What the trainer's save does: a new file replaces the old one."""
+    np.save(self.path + ".tmp.npy", np.full(2, float(step)))
+    os.replace(self.path + ".tmp.npy", self.path)
+    self.step = step
+
+  def get_experiment_state(self, ckpt_series):
+    return self._state
+
+  def can_be_restored(self, ckpt_series):
+    return os.path.exists(self.path)
+
+  def restore(self, ckpt_series):
+    self._state.global_step = self.step
+    self._state.experiment_module._w = utils.bcast_local_devices(jnp.asarray(np.load(self.path)))
+
+  def restore_path(self, ckpt_series):
+    return self.path if self.can_be_restored(ckpt_series) else None
+
+  def wait_for_checkpointing_to_finish(self):
+    pass
+
+
+def test_an_evaluator_follows_a_checkpointer_that_overwrites_one_file(tmp_path):
+  """Comparing paths alone, the evaluator took each save for the one it had
+  evaluated: an eval job beside tapnet's training waited forever."""
+  Scripted.SCORES, Scripted.calls = {4: 0.1, 10: 0.2}, []
+  checkpointer = OneFileCheckpointer(tmp_path / "checkpoint.npy")
+  checkpointer.publish(4)
+  saves_to_come = [10]
+
+  def next_save_or_stop():  # Called while the evaluator waits for a new checkpoint.
+    if not saves_to_come:
+      return True
+    checkpointer.publish(saves_to_come.pop())
+    return False
+
+  train.evaluate(Scripted, make_config(), checkpointer, None, jaxline_mode="eval",
+                 poll_interval_secs=0.01, stop_waiting=next_save_or_stop)
+  assert [(step, w) for step, _, w in Scripted.calls] == [(4, 4.0), (10, 10.0)]
