@@ -854,6 +854,12 @@ class DiskCheckpointer:
     tree, entries, arrays = encode(checkpointing.device_snapshot(state))
     fingerprints = dispatch_fingerprints([array for _, array in arrays])
     series_dir = self._series_dir(ckpt_series)
+    # In pmap mode orbax is handed host copies: it records a device array's
+    # sharding, and the per-device key chain's would let orbax alone read the
+    # checkpoint only on as many devices. (A process of a multi-process run
+    # that saves alone must hand over its own arrays so anyway.) Mesh-mode
+    # global arrays go as they are: each process writes its shards.
+    on_host = mesh_lib.active_mesh() is None
 
     def write():
       if validate is not None:
@@ -875,10 +881,7 @@ class DiskCheckpointer:
       meta["digest"] = _digest(meta)
       items = {_META_ITEM: ocp.args.JsonSave(meta)}
       if tree:
-        # Orbax takes global arrays from a multi-process run; a process
-        # saving alone hands it its own (pmap-mode) arrays as host copies.
-        local = jax.process_count() > 1 and not self.every_process_saves
-        items[_STATE_ITEM] = ocp.args.StandardSave(jax.device_get(tree) if local else tree)
+        items[_STATE_ITEM] = ocp.args.StandardSave(jax.device_get(tree) if on_host else tree)
       try:
         saved = manager.save(step, args=ocp.args.Composite(**items))
         manager.wait_until_finished()

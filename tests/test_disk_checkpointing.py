@@ -6,6 +6,8 @@ import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import chex
 import haiku as hk
@@ -262,6 +264,17 @@ def test_checkpoint_reads_with_orbax_alone_by_name(tmp_path):
   assert int(module["moments"]["count"]) == 4  # a NamedTuple's fields by name
   assert tree["train_step_rng"].shape == (jax.local_device_count(), 2)
   assert "history" not in module  # plain Python values live in the JSON item
+
+  # Where a user reads weights: a notebook with one device, not the run's four.
+  read = subprocess.run(
+      [sys.executable, "-c", "import sys, orbax.checkpoint as ocp\n"
+       "tree = ocp.StandardCheckpointer().restore(sys.argv[1])\n"
+       "print(tree['experiment_module']['params']['w'].tolist())",
+       os.path.join(tmp_path, "checkpoints", "latest", "4", "state")],
+      env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+      timeout=120, check=False)
+  assert read.returncode == 0, read.stderr[-2000:]
+  assert read.stdout.strip().splitlines()[-1] == str(params["w"].tolist())
 
 
 def _data_files(step_dir):
