@@ -93,9 +93,9 @@ def _act_on_signal(signum: int) -> None:
       multihost.exit_after_failure(EXIT_PREEMPTED)
     os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
   _signalled.set()
-  logging.warning("[jaxline_ng] %s received: stopping after the current step, "
-                  "saving, then exiting with code %d. Send it again to exit at once.",
-                  name, EXIT_PREEMPTED)
+  logging.warning("[jaxline_ng] %s received: stopping after the current step or evaluation "
+                  "(training saves first), then exiting with code %d. Send it again to exit "
+                  "at once.", name, EXIT_PREEMPTED)
   request_stop(name)
 
 

@@ -583,8 +583,9 @@ def evaluate(experiment_class, config, checkpointer, writer,
   checkpointer.wait_for_checkpointing_to_finish()
   flush_if_possible(writer)
   if asked_to_stop:
-    logging.warning("[jaxline_ng] Evaluation stopped by %s after step %d.",
-                    preemption.stop_reason(), evaluated_step)
+    logging.warning("[jaxline_ng] Evaluation stopped by %s %s.", preemption.stop_reason(),
+                    f"after step {evaluated_step}" if evaluated_step >= 0
+                    else "before evaluating any step")
     raise preemption.Preempted(f"evaluation stopped by {preemption.stop_reason()}")
 
 
