@@ -8,15 +8,22 @@ optional growth schedule and an optional final step) and then calls
 `scalars["steps_per_sec"]` added.
 
 With `run_async` the calls run on a background thread (`make_async`), in
-step order. Steps that fall due while that thread is busy, or less than
-`_HANDOVER_SECS` after the last hand-over, wait and go over together: acting
-at every step then wakes the thread a few times a second instead of a
-thousand, which on a machine with few cores leaves the CPU to the devices.
+step order. That thread takes the due steps itself, at most once per
+`_HANDOVER_SECS`, so steps due in between go together: acting at every step
+then wakes it a few times a second instead of a thousand, which on a machine
+with few cores leaves the CPU to the devices. Every due step is still acted
+on soon after, without waiting for another call, as in jaxline.
+
+As in jaxline, a subclass may override `_apply_condition(t, step)` (whether
+a step is due) and `_apply_fn(step, steps_per_sec, scalars)` (the action on
+one due step, its scalars on the host).
 """
 
 import concurrent.futures
 import functools
 import math
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,8 +93,8 @@ class PeriodicAction:
       None (or 0 steps) never triggers by interval.
     start_time, start_step: when the action last ran; seconds and
       `steps_per_sec` are measured from there (see `update_time`). A
-      `start_time` of None: a "secs" action is due at its first call, and
-      that call's scalars get no `steps_per_sec` (nothing to measure from).
+      `start_time` of None: a "secs" action is due at its first call, whose
+      `steps_per_sec` is measured from when the action was made.
     run_async: run `fn` on a background thread, one call at a time, in order;
       an error it raises is raised by a later call of the action.
     log_all_data: pass `fn` every step's scalars since the last action, each
@@ -114,23 +121,30 @@ class PeriodicAction:
     self._fn = fn
     self._by_steps = interval_type == "steps"
     self._interval = interval
+    self._made_at = time.time()
     self._prev_time = start_time
     self._prev_step = start_step
-    self._log_all_data = log_all_data
+    self.log_all_data = log_all_data  # jaxline's public attribute
     self._growth_ratios = tuple(logging_growth_ratios or ())
     self._end_step = end_step_to_action
     self._unlogged: list[tuple[int, Any]] = []  # With log_all_data: steps since the last action.
     self._last_seen: tuple[float, int, Any] | None = None
     self._last_acted_step: int | None = None
-    self._due: list[tuple[int, float | None, Any]] = []  # Waiting for the background thread.
-    self._handed_over_at = -math.inf
+    # With run_async, the due steps the background thread has not taken yet
+    # (under `_lock`), and whether a `_take_due` is queued that will take them.
+    self._due: list[tuple[int, float | None, Any]] = []
+    self._lock = threading.Lock()
+    self._take_queued = False
+    self._taken_at = -math.inf  # time.monotonic() of the last take.
+    self._hurry = threading.Event()  # Set while `wait_to_finish` waits: take at once.
     self._in_progress: concurrent.futures.Future | None = None
     self._run_async = run_async
     if run_async:
       self._act_in_background = make_async(
-          f"periodic_{getattr(fn, '__name__', 'action')}")(self._act_on)
+          f"periodic_{getattr(fn, '__name__', 'action')}")(self._take_due)
 
-  def _is_due(self, t: float, step: int) -> bool:
+  def _apply_condition(self, t: float, step: int) -> bool:
+    """Whether the action is due at `step`, completed at time `t` (jaxline's hook)."""
     if self._end_step is not None and step == self._end_step:
       return True
     if self._by_steps:
@@ -142,37 +156,41 @@ class PeriodicAction:
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     self._last_seen = (t, step, scalars)
-    if self._log_all_data:
+    if self.log_all_data:
       self._unlogged.append((step, scalars))
-    if self._is_due(t, step):
+    if self._apply_condition(t, step):
       self._act(t, step, scalars)
-    elif self._due:
-      self._hand_over(t)
 
   def _act(self, t: float, step: int, scalars: Any) -> None:
-    elapsed = None if self._prev_time is None else t - self._prev_time
-    steps_per_sec = (step - self._prev_step) / elapsed if elapsed else None
-    batch = self._unlogged if self._log_all_data else [(step, scalars)]
+    elapsed = t - (self._made_at if self._prev_time is None else self._prev_time)
+    steps_per_sec = (step - self._prev_step) / elapsed if elapsed > 0 else None
+    batch = self._unlogged if self.log_all_data else [(step, scalars)]
     self._unlogged = []
-    self._due += [(s, steps_per_sec if s == step else None, values) for s, values in batch]
+    due = [(s, steps_per_sec if s == step else None, values) for s, values in batch]
     self._last_acted_step = step
     self.update_time(t, step)
     if not self._run_async:
-      due, self._due = self._due, []
       self._act_on(due)
-    else:
-      self._hand_over(t)
+      return
+    with self._lock:
+      self._due += due
+      # A take still queued takes these too. One whose future is done yet
+      # still marked queued was skipped after an earlier failure: the call
+      # below raises that failure.
+      if self._take_queued and not self._in_progress.done():
+        return
+      self._take_queued = True
+    self._in_progress = self._act_in_background()
 
-  def _hand_over(self, t: float | None) -> None:
-    """Gives the due steps to the background thread, unless it is busy or, at
-    loop time `t`, was given some less than `_HANDOVER_SECS` ago."""
-    if self._in_progress is not None and not self._in_progress.done():
-      return
-    if t is not None and t - self._handed_over_at < _HANDOVER_SECS:
-      return
-    due, self._due = self._due, []
-    self._handed_over_at = -math.inf if t is None else t
-    self._in_progress = self._act_in_background(due)
+  def _take_due(self) -> None:
+    """On the background thread: waits out the hand-over interval (unless
+    `wait_to_finish` waits), then acts on every step due by then."""
+    self._hurry.wait(self._taken_at + _HANDOVER_SECS - time.monotonic())
+    with self._lock:
+      due, self._due = self._due, []
+      self._take_queued = False
+    self._taken_at = time.monotonic()
+    self._act_on(due)
 
   def _to_host(self, scalars: list[Any]) -> list[Any]:
     """The due steps' scalars, in order, copied to the host whole."""
@@ -182,9 +200,13 @@ class PeriodicAction:
     """Copies the due steps' scalars to the host and calls `fn` for each."""
     host_values = self._to_host([values for _, _, values in due])
     for (step, steps_per_sec, _), values in zip(due, host_values):
-      if steps_per_sec is not None and isinstance(values, dict):
-        values["steps_per_sec"] = steps_per_sec
-      self._fn(step, values)
+      self._apply_fn(step, steps_per_sec, values)
+
+  def _apply_fn(self, step: int, steps_per_sec: float | None, scalars: Any) -> None:
+    """Acts on one due step, its scalars on the host (jaxline's hook)."""
+    if steps_per_sec is not None and isinstance(scalars, dict):
+      scalars["steps_per_sec"] = steps_per_sec
+    self._fn(step, scalars)
 
   def update_time(self, t: float, step: int) -> None:
     """Measures the next interval (seconds) and `steps_per_sec` from `(t, step)`."""
@@ -205,8 +227,8 @@ class PeriodicAction:
     """Blocks until every due step has been acted on; raises the first error."""
     if not self._run_async:
       return
-    if self._due:
-      if self._in_progress is not None:
-        self._in_progress.exception()  # Wait; its error is raised below.
-      self._hand_over(None)
-    self._act_in_background.wait()
+    self._hurry.set()  # Due steps always have a take queued: it runs at once.
+    try:
+      self._act_in_background.wait()
+    finally:
+      self._hurry.clear()

@@ -128,20 +128,51 @@ def test_async_action_runs_off_the_calling_thread_in_order():
 def test_async_steps_due_within_a_handover_interval_go_together():
   """Acting every step wakes the background thread a few times a second, not per step."""
   batches = []
-  action = periodic.PeriodicAction(Calls(), "steps", 1)
-  act_on = action._act_on  # pylint: disable=protected-access
 
-  def record(due):
-    batches.append([step for step, _, _ in due])
-    act_on(due)
+  class Recorded(periodic.PeriodicAction):
 
-  action._act_in_background = periodic.make_async()(record)  # pylint: disable=protected-access
-  for step in range(1, 51):
-    action(1.0 + step * 0.001, step, {})  # 50 steps within 0.05 s of loop time.
-  action(1.2, 51, {})
+    def _act_on(self, due):
+      batches.append([step for step, _, _ in due])
+      super()._act_on(due)
+
+  action = Recorded(Calls(), "steps", 1)
+  for step in range(1, 51):  # Far less than a hand-over interval apart.
+    action(float(step), step, {})
   action.wait_to_finish()
-  assert batches[0] == [1]
-  assert batches[1] == list(range(2, 52))
+  assert [step for batch in batches for step in batch] == list(range(1, 51))
+  assert len(batches) <= 3, batches
+
+
+def test_async_due_steps_are_acted_on_without_a_later_call():
+  """As jaxline's: a loop that stops calling (it ended, or waits on a slow step)
+  still gets its due steps acted on. They used to wait for the next call."""
+  calls = Calls()
+  action = periodic.PeriodicAction(calls, "steps", 1)
+  for step in range(1, 4):
+    action(float(step), step, {})
+  deadline = time.monotonic() + 10
+  while len(calls.steps) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert acted_steps(calls) == [1, 2, 3]
+
+
+def test_jaxlines_subclass_hooks_decide_and_act():
+  """jaxline's PeriodicAction calls `_apply_condition` and `_apply_fn`; lab code overrides them."""
+  acted = []
+
+  class EveryThird(periodic.PeriodicAction):
+
+    def _apply_condition(self, t, step):
+      return step % 3 == 0
+
+    def _apply_fn(self, step, steps_per_sec, scalars):
+      acted.append((step, scalars["s"], steps_per_sec))
+
+  drive(EveryThird(Calls(), "steps", 100, run_async=False), range(1, 10))
+  assert acted == [(3, 3, 1.0), (6, 6, 1.0), (9, 9, 1.0)]  # drive's clock: 1 s a step
+  action = periodic.PeriodicAction(Calls(), "steps", 4)
+  action.log_all_data = True  # jaxline's public attribute
+  assert action.log_all_data
 
 
 def test_async_error_is_raised_by_a_later_call_or_wait():
