@@ -61,27 +61,45 @@ def _drop_leading_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
-def _first_shard(leaf: Any) -> Any:
-  """The first local device's buffer of a multi-device array; other leaves as they are.
+# Per (sharding, shape): which addressable shard holds the array's first row
+# whole, or None. Finding it builds an object per device (`addressable_shards`),
+# too slow to repeat for every leaf of every save.
+_first_row_shards: dict[tuple[Any, tuple[int, ...]], int | None] = {}
 
-  For a replicated array that is the whole value, for a per-device (pmap)
-  array the first device's row, as a `[1, ...]` array. The number of
-  devices is read from the sharding, which arrays share, not from
-  `addressable_shards`, which builds an object per device for every array.
-  """
+
+def _first_row_shard(leaf: jax.Array) -> int | None:
+  """The position of the shard of `leaf` that holds `leaf[0]` whole (the whole
+  value if replicated), or None when none does: an array split along a later
+  axis, such as a mesh's `model` axis."""
+  key = (leaf.sharding, leaf.shape)
+  if key not in _first_row_shards:
+    _first_row_shards[key] = next(
+        (position for position, shard in enumerate(leaf.addressable_shards)
+         if all(index.start in (None, 0) and (axis == 0 or index.stop in (None, size))
+                for axis, (index, size) in enumerate(zip(shard.index, leaf.shape)))),
+        None)
+  return _first_row_shards[key]
+
+
+def _first_shard(leaf: Any) -> Any:
+  """The buffer holding the first row of a multi-device array whole (`[k, ...]`,
+  the value itself when replicated); the array itself if no buffer does, and
+  other leaves as they are."""
   if isinstance(leaf, jax.Array) and len(leaf.sharding.addressable_devices) > 1:
-    return leaf.addressable_data(0)
+    position = _first_row_shard(leaf)
+    if position is not None:
+      return leaf.addressable_data(position)
   return leaf
 
 
 def _holds_one_copy(leaf: jax.Array) -> bool:
-  """Whether the first shard of a multi-device `leaf` is one whole copy: the
-  value of a replicated array, or the first row of a per-device one."""
+  """Whether one shard of a multi-device `leaf` is one whole copy: the value of
+  a replicated array, or the first row of a per-device one."""
   if leaf.is_fully_replicated:
     return True
   devices = len(leaf.sharding.addressable_devices)
   return bool(leaf.shape) and leaf.shape[0] == devices and \
-      leaf.sharding.shard_shape(leaf.shape)[0] == 1
+      leaf.sharding.shard_shape(leaf.shape)[0] == 1 and _first_row_shard(leaf) is not None
 
 
 def _read_first_copy(leaf: jax.Array) -> np.ndarray:
@@ -142,7 +160,9 @@ def first_copies_to_host(trees: list[Any]) -> list[Any]:
         rows = [_read_first_copy(array) for array in arrays]
       else:
         padded = 1 << (len(arrays) - 1).bit_length()
-        rows = np.asarray(_first_shard(stack(arrays + arrays[-1:] * (padded - len(arrays)))))
+        # The stack keeps each device's rows on it, in the arrays' device order.
+        stacked = stack(arrays + arrays[-1:] * (padded - len(arrays)))
+        rows = np.asarray(stacked.addressable_data(_first_row_shard(arrays[0])))
       for (i, j), row in zip(chunk, rows):
         leaves[i][j] = row
   return [jax.tree.unflatten(treedef, tree_leaves)

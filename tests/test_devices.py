@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxline_ng import devices, utils
 
@@ -91,9 +93,36 @@ def test_first_copies_to_host_split_large_groups_and_read_other_arrays_whole():
 
 
 def test_first_copies_to_host_read_many_arrays_of_one_placement_in_one_transfer(monkeypatch):
-  reads = []
-  first_shard = devices._first_shard  # pylint: disable=protected-access
-  monkeypatch.setattr(devices, "_first_shard", lambda leaf: reads.append(leaf) or first_shard(leaf))
+  stacks, single_reads = [], []
+  stacker, read_first_copy = devices._stacker, devices._read_first_copy  # pylint: disable=protected-access
+
+  def counted_stacker(sharding):
+    return lambda arrays: stacks.append(len(arrays)) or stacker(sharding)(arrays)
+
+  monkeypatch.setattr(devices, "_stacker", counted_stacker)
+  monkeypatch.setattr(devices, "_read_first_copy",
+                      lambda leaf: single_reads.append(leaf) or read_first_copy(leaf))
   got = devices.first_copies_to_host([{"loss": _per_device_values(k)} for k in range(64)])
   assert [float(tree["loss"][0]) for tree in got] == list(range(64))
-  assert len(reads) == 1
+  assert stacks == [64] and not single_reads
+
+
+def test_get_first_is_the_first_row_however_the_array_is_sharded():
+  """jaxline's `get_first` is `x[0]`. Reading the first device's shard gave part
+  of the row (an array split along a later axis, such as a mesh's model axis)
+  or another row (a mesh whose devices come in another order)."""
+  cpus = np.array(jax.devices())
+  layouts = {
+      "columns": (Mesh(cpus, ("d",)), P(None, "d"), (2, 8)),
+      "rows, devices reversed": (Mesh(cpus[::-1], ("d",)), P("d"), (4, 3)),
+      "data x model": (Mesh(cpus.reshape(2, 2), ("data", "model")), P("data", "model"), (4, 6)),
+  }
+  for name, (mesh, spec, shape) in layouts.items():
+    value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    x = jax.device_put(value, NamedSharding(mesh, spec))
+    np.testing.assert_array_equal(utils.get_first(x), value[0], err_msg=name)
+  # Logging reads the first device's value of per-device scalars, one array or
+  # several at once, whatever order the mesh lists the devices in.
+  scalars = jax.device_put(np.arange(4.0), NamedSharding(Mesh(cpus[::-1], ("d",)), P("d")))
+  assert float(devices.first_copy_to_host(scalars)[0]) == 0.0
+  assert [float(read[0]) for read in devices.first_copies_to_host([scalars] * 5)] == [0.0] * 5
