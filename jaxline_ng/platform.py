@@ -145,11 +145,22 @@ def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:
 
 class TensorBoardLogger(writers.TensorBoardWriter):
   """jaxline's writer class, kept for code that builds or subclasses it:
-  TensorBoard events in `<checkpoint_dir>/<mode>`, written synchronously.
+  TensorBoard events in `<checkpoint_dir>/<mode>`. As in jaxline, its
+  TensorFlow writer `self._writer` exists from the start, and each write is
+  on disk when it returns (code that uses it may never close it).
   `create_writer` is what the platform uses (with `metrics.jsonl` too)."""
 
   def __init__(self, config, mode: str):
     super().__init__(os.path.join(config.checkpoint_dir, mode))
+    self._open()
+
+  def write_scalars(self, global_step: int, scalars) -> None:
+    super().write_scalars(global_step, scalars)
+    self.flush()
+
+  def write_images(self, global_step: int, images) -> None:
+    super().write_images(global_step, images)
+    self.flush()
 
 
 def create_writer(config, mode: str):

@@ -162,9 +162,15 @@ def test_jaxlines_tensorboard_logger_writes_to_the_modes_directory(tmp_path):
   config = base_config.get_base_config()
   config.checkpoint_dir = str(tmp_path)
   logger = platform.TensorBoardLogger(config, "eval")  # jaxline's constructor
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  with logger._writer.as_default():  # What jaxline's subclasses write through, from the start.
+    tf.summary.scalar("extra", 1.5, step=2)
   logger.write_scalars(3, {"accuracy": 0.75})
+  logger.write_scalars(4, {"accuracy": 0.5})
+  # On disk when each write returns, as jaxline's: lab code may never close it.
+  assert _read_scalars(tmp_path / "eval") == [
+      (2, "extra", 1.5), (3, "accuracy", 0.75), (4, "accuracy", 0.5)]
   logger.close()
-  assert _read_scalars(tmp_path / "eval") == [(3, "accuracy", 0.75)]
 
 
 def test_tensorboard_writer_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
