@@ -215,7 +215,8 @@ def evaluate_should_return_dict(f):
   def call(*args, **kwargs):
     scalars = f(*args, **kwargs)
     if scalars is None:
-      logging.warning("[jaxline_ng] evaluate() returned None; return a dict of scalars.")
+      logging.log_first_n(logging.WARNING,
+                          "[jaxline_ng] evaluate() returned None; return a dict of scalars.", 1)
       return {}
     return scalars
 

@@ -446,7 +446,9 @@ class _BestTracker:
     logging.info("[jaxline_ng] Best %s so far: %s", self._metric,
                  self._state.best_eval_metric_value)
 
-  def update(self, global_step: int, scalars: Mapping[str, Any]) -> None:
+  def update(self, evaluated, scalars: Mapping[str, Any]) -> None:
+    """Saves `best` if `scalars` beat it; `evaluated` is the `latest` state evaluated."""
+    global_step = evaluated.global_step
     value = float(scalars[self._metric])
     if not math.isfinite(value):
       logging.warning("[jaxline_ng] %s=%s at step %d is not finite: never the best.",
@@ -461,6 +463,8 @@ class _BestTracker:
                  self._metric, value, global_step, best)
     self._state.best_eval_metric_value = value
     self._state.global_step = global_step
+    if getattr(evaluated, "train_step_rng", None) is not None:  # As jaxline's best state.
+      self._state.train_step_rng = evaluated.train_step_rng
     self._state.experiment_module.on_new_best_model(self._state)
     self._checkpointer.save("best")
 
@@ -575,7 +579,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
       raise ScalarsError(problems[0])
     _check_best_metric(config, scalars)
     if best is not None:
-      best.update(state.global_step, values)
+      best.update(state, values)
 
     # --- Done? ---
     if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):

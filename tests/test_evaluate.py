@@ -56,6 +56,7 @@ def save_latest(checkpointer, step):
     module = Scripted("train", None)
     module._w = utils.bcast_local_devices(jnp.full(2, float(step)))
     state.global_step, state.experiment_module = step, module
+    state.train_step_rng = utils.bcast_local_devices(jnp.full(2, step, jnp.uint32))
     checkpointer.save("latest")
     checkpointer.wait_for_checkpointing_to_finish()
 
@@ -90,6 +91,9 @@ def test_best_saved_exactly_on_strict_improvement(higher_is_better, scores, expe
   # The best checkpoint holds the weights that were evaluated.
   assert [float(s.pickle_nest["experiment_module"]["w"][0]) for s in best] == \
       [float(step) for step, _ in expected_best]
+  # And, as jaxline's best state, the key chain of the checkpoint evaluated.
+  assert [int(np.asarray(s.pickle_nest["train_step_rng"])[0, 0]) for s in best] == \
+      [step for step, _ in expected_best]
   # Best value survives a restart: a fresh evaluator does not re-save a worse score.
   assert Scripted.best_calls[-1] == expected_best[-1]
 

@@ -142,3 +142,12 @@ def test_log_activity_is_also_a_decorator(caplog):
       count(-1)
   assert caplog.text.count("counting starting...") == 2
   assert "counting finished" in caplog.text and "counting failed" in caplog.text
+
+
+def test_an_evaluate_returning_none_is_warned_about_once_as_in_jaxline():
+  evaluate = utils.evaluate_should_return_dict(lambda: None)
+  with mock.patch.object(utils.logging, "warning") as warning, \
+      mock.patch.object(utils.logging, "log") as log:
+    for _ in range(3):
+      assert evaluate() == {}
+  assert warning.call_count + log.call_count == 1
