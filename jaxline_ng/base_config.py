@@ -6,6 +6,8 @@ Experiment configs add their own keys freely (usually under
 insists that the keys below are present and well-formed.
 """
 
+import math
+
 import ml_collections
 from absl import logging
 from ml_collections import config_dict
@@ -191,16 +193,22 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if steps is not None and (not isinstance(steps, int) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
 
-  # A negative interval would act at every step or, for saves, never before
-  # the end: a sign typo that a preempted run pays for with all its steps.
+  # A negative logging interval would act at every step: a sign typo. A
+  # negative save interval means no periodic saves in jaxline, as 0 does, and
+  # published configs use -1 so: kept, but said, as a preempted run would pay
+  # for a typo there with every step since its start.
   for key, none_allowed in (("log_tensors_interval", True), ("log_train_data_interval", True),
                             ("save_checkpoint_interval", False)):
     value = config[key]
     if value is None and none_allowed:
       continue
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+        or (value < 0 and key != "save_checkpoint_interval")):
       raise ConfigError(f"config.{key}={value!r} must be a number >= 0"
                         + (" or None" if none_allowed else ""))
+    if value < 0:
+      logging.warning("[jaxline_ng] config.%s=%r: no periodic saves (as 0, as in jaxline); "
+                      "latest is saved at the end and on a stop only.", key, value)
 
   if config.restore_path and config.checkpointer != "disk":
     # Published experiments define restore_path for their own restores from

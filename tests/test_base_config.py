@@ -89,7 +89,6 @@ def test_missing_base_key_is_named():
     ("training_steps", -1, "training_steps"),
     ("max_checkpoints_to_keep", 0, "max_checkpoints_to_keep"),
     ("checkpointer", "cloud", "checkpointer"),
-    ("save_checkpoint_interval", -5, "save_checkpoint_interval"),
     ("save_checkpoint_interval", None, "save_checkpoint_interval"),
     ("log_tensors_interval", -1, "log_tensors_interval"),
     ("log_train_data_interval", -0.5, "log_train_data_interval"),

@@ -107,6 +107,16 @@ def test_periodic_checkpoints_follow_interval_and_max_to_keep():
   assert [s.id for s in history] == [2, 3]
 
 
+@pytest.mark.parametrize("interval", [0, -1])
+def test_a_save_interval_of_0_or_below_saves_at_the_end_only_as_in_jaxline(interval):
+  """Published configs (c3_neural_compression) set -1 for that; it was refused."""
+  config = make_config(training_steps=5, save_checkpoint_interval=interval)
+  base_config.validate_config(config)  # What platform.main runs first.
+  run_counting(config)
+  history = utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+  assert [s.pickle_nest["global_step"] for s in history] == [5]
+
+
 def test_initial_checkpoint_saved_when_asked():
   run_counting(make_config(training_steps=2, save_initial_train_checkpoint=True,
                            max_checkpoints_to_keep=5))
