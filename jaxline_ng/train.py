@@ -222,8 +222,9 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     guard.observe(step, values)
     logging.info(_progress_line(step, config.training_steps, values))
 
-  # The first step is logged and written at once, with no rate (none is
-  # known yet); a resumed run's rate is measured from its own start.
+  # With a `secs` interval the first step is logged and written at once. The
+  # first rate is measured from here, as jaxline's from the loop's start (so
+  # it includes compilation); a resumed run's from its own start.
   actions["log"] = _LoggingAction(
       log_progress, logging_type, config.log_tensors_interval, start_time=None,
       start_step=start_step, logging_growth_ratios=growth)
