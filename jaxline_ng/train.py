@@ -305,6 +305,7 @@ def train(experiment_class, config, checkpointer, writer,
   """
   save_checkpoints = (multihost.is_chief() or config.train_checkpoint_all_hosts
                       or _every_process_saves(checkpointer))
+  _check_saves_agree(config, checkpointer)
   mesh_lib.activate(config)
 
   # --- State: construct the experiment, then restore over it. ---
@@ -399,6 +400,26 @@ def _every_process_saves(checkpointer) -> bool:
   """Whether every process takes part in each save (a disk checkpoint of arrays
   sharded over several processes: each writes its own shards)."""
   return getattr(checkpointer, "every_process_saves", False)
+
+
+def _check_saves_agree(config, checkpointer) -> None:
+  """Refuses periodic saves by seconds where every process takes part in a save.
+
+  Each process would read its own clock and so save after another step,
+  while the collective save needs every process at the same one: the
+  processes would abort at the first periodic save. jaxline refused
+  seconds for saves on every host likewise (`base_config.check_constraints`).
+  """
+  checkpoint_type = _interval_type(config, "checkpoint_interval_type")
+  if (_every_process_saves(checkpointer) and checkpoint_type != "steps"
+      and config.save_checkpoint_interval > 0):
+    culprit = ("checkpoint_interval_type" if config.checkpoint_interval_type
+               else "interval_type")
+    raise base_config.ConfigError(
+        f"config.{culprit}={checkpoint_type!r} times saves by each process's own clock, but "
+        "every process of this multi-process mesh run writes its shards of each save, so all "
+        "must save after the same step: set config.checkpoint_interval_type='steps' and "
+        "config.save_checkpoint_interval to a number of steps")
 
 
 def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None:

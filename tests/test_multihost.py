@@ -119,6 +119,19 @@ def test_processes_launched_with_different_configs_stop_at_once_naming_the_key(t
   assert not os.path.exists(tmp_path / "checkpoints" / "latest")  # Nothing trained.
 
 
+def test_mesh_saves_timed_in_seconds_are_refused_at_once_naming_the_key(tmp_path):
+  # Every process writes its shards of a mesh-mode save, so each must save the
+  # same step; each one's own clock would pick another, and the collective abort.
+  result = launch(toy(tmp_path, "--config.placement=mesh", "--config.mesh_shape=data:-1",
+                      "--config.random_mode_train=same_host_same_device",
+                      "--config.interval_type=secs"), timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  for process in (0, 1):
+    assert (f"[p{process}] jaxline_ng: error: config.interval_type='secs' times saves by each "
+            "process's own clock") in result.stdout, result.stdout[-4000:]
+  assert not os.path.exists(tmp_path / "checkpoints" / "latest")  # Nothing trained.
+
+
 def test_a_process_given_another_process_count_stops_at_once_naming_the_flag(tmp_path):
   command = " ".join(toy(tmp_path, "--jaxline_num_processes=$((2 + JAX_PROCESS_ID))"))
   result = launch(["sh", "-c", f"exec {command}"], timeout=120)
