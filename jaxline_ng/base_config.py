@@ -107,6 +107,51 @@ class ConfigError(ValueError):
   one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
+def validate_keys(base_cfg: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
+                  base_filename: str = "base_config.py") -> None:
+  """Raises ConfigError if `config` lacks a key of `base_cfg` (jaxline's function).
+
+  Nested ConfigDicts of `base_cfg` are checked key by key where `config`
+  has them set. Code written for jaxline calls it to check a config against
+  a base of its own; the platform runs `validate_config`.
+
+  Args:
+    base_cfg: the config whose keys `config` must have.
+    config: the config to check.
+    base_filename: where `base_cfg` is defined, named in the error.
+
+  Raises:
+    ConfigError: naming the first missing key.
+  """
+  for key in base_cfg.keys():
+    if key not in config:
+      raise ConfigError(f"config is missing the key {key!r} of its base config ({base_filename})")
+    if isinstance(base_cfg[key], config_dict.ConfigDict) and config[key] is not None:
+      validate_keys(base_cfg[key], config[key], base_filename)
+
+
+def check_constraints(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError where jaxline refused a combination of keys (jaxline's function).
+
+  jaxline refused checkpoints on every host timed in seconds (each host would
+  save another step) and growth ratios without `interval_type="steps"`. The
+  platform runs `validate_config`, which refuses what jaxline_ng cannot run;
+  this keeps jaxline's stricter rules for code that calls it.
+
+  Raises:
+    ConfigError: naming the keys.
+  """
+  checkpoint_type = config.checkpoint_interval_type or config.interval_type
+  if config.train_checkpoint_all_hosts and checkpoint_type != "steps":
+    raise ConfigError(
+        f"config.train_checkpoint_all_hosts=True with checkpoints every {checkpoint_type!r}: "
+        "every host would save another step; set config.checkpoint_interval_type='steps'")
+  if config.periodic_action_growth_ratios is not None and config.interval_type != "steps":
+    raise ConfigError(
+        f"config.periodic_action_growth_ratios is set with config.interval_type="
+        f"{config.interval_type!r}: growth ratios need config.interval_type='steps'")
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first missing or malformed base key.
 

@@ -113,3 +113,35 @@ def test_restore_path_with_in_memory_checkpoints_is_left_to_the_experiment():
   config = base_config.get_base_config()
   config.restore_path = "/runs/previous"
   base_config.validate_config(config)  # No error: jaxline_ng reads it only from disk.
+
+
+def test_jaxlines_validate_keys_names_the_missing_key_at_any_depth():
+  base = base_config.get_base_config()
+  config = base_config.get_base_config()
+  base_config.validate_keys(base, config)
+  base.experiment_kwargs = config_dict.ConfigDict({"config": {"lr": 0.1}})
+  config.experiment_kwargs = config_dict.ConfigDict({"config": {"lr": 0.1, "extra": 1}})
+  base_config.validate_keys(base, config)  # Keys beyond the base are fine.
+  del config.experiment_kwargs.config["lr"]
+  with pytest.raises(ValueError, match="missing the key 'lr'.*my_base.py"):
+    base_config.validate_keys(base, config, base_filename="my_base.py")
+  config.experiment_kwargs.config.lr = 0.1
+  del config["random_seed"]
+  with pytest.raises(ValueError, match="missing the key 'random_seed'"):
+    base_config.validate_keys(base, config)
+
+
+@pytest.mark.parametrize("changes, culprit", [
+    (dict(train_checkpoint_all_hosts=True), "train_checkpoint_all_hosts"),
+    (dict(train_checkpoint_all_hosts=True, interval_type="steps",
+          checkpoint_interval_type="secs"), "train_checkpoint_all_hosts"),
+    (dict(periodic_action_growth_ratios=(1, 2, 5)), "periodic_action_growth_ratios"),
+])
+def test_jaxlines_check_constraints_refuses_what_jaxline_refused(changes, culprit):
+  config = base_config.get_base_config()
+  base_config.check_constraints(config)  # The defaults pass.
+  config.update(changes)
+  with pytest.raises(ValueError, match=culprit):
+    base_config.check_constraints(config)
+  config.update(interval_type="steps", checkpoint_interval_type=None)
+  base_config.check_constraints(config)

@@ -36,6 +36,30 @@ def make_config(**overrides):
   return config
 
 
+# The public names of jaxline 0.0.8's modules (its type variables and
+# `train.FLAGS`, an alias of absl's, left out): code written for jaxline may
+# reach any of them through the renamed import.
+JAXLINE_PUBLIC_NAMES = {
+    "base_config": ("check_constraints", "get_base_config", "validate_config", "validate_keys"),
+    "experiment": ("AbstractExperiment",),
+    "platform": ("TensorBoardLogger", "create_checkpointer", "create_writer", "main"),
+    "train": ("evaluate", "train"),
+    "utils": ("CheckpointNT", "Checkpointer", "DistributedRNGMode", "GLOBAL_CHECKPOINT_DICT",
+              "InMemoryCheckpointer", "PeriodicAction", "SnapshotNT", "Writer",
+              "bcast_local_devices", "debugger_fallback", "disable_pmap_jit", "double_buffer",
+              "double_buffer_on_gpu", "evaluate_should_return_dict", "get_first",
+              "host_id_devices_for_rng", "kwargs_only", "log_activity", "make_async",
+              "maybe_device_get", "py_prefetch", "rendezvous", "specialize_rng_host_device",
+              "tree_psum"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(JAXLINE_PUBLIC_NAMES))
+def test_every_public_name_of_jaxlines_modules_exists(module):
+  ours = __import__(f"jaxline_ng.{module}", fromlist=["_"])
+  assert [name for name in JAXLINE_PUBLIC_NAMES[module] if not hasattr(ours, name)] == []
+
+
 class NoInitRng(experiment.AbstractExperiment):
   """jaxline's test experiment shape: no init_rng, an rng-initialising override."""
 
