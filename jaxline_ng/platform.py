@@ -15,7 +15,8 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -265,6 +266,31 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
     _run_locked(experiment_class, config, mode, checkpointer_factory)
 
 
+def _warn_of_unread_snapshots(checkpointer) -> None:
+  """Says so when in-memory snapshots wait in `utils.GLOBAL_CHECKPOINT_DICT`
+  but `checkpointer` does not read them.
+
+  Code written for jaxline resumes by putting a snapshot it saved itself
+  there before `platform.main` (deeprte); with another checkpointer the run
+  would start from step 0 without a word.
+  """
+  if isinstance(checkpointer, checkpointing.InMemoryCheckpointer):
+    return
+  waiting = [f"{name} at step {_step_of(series.history[-1])}"
+             for name, series in sorted(checkpointing.global_checkpoint_dict().items())
+             if getattr(series, "history", None)]
+  if waiting:
+    logging.warning("[jaxline_ng] utils.GLOBAL_CHECKPOINT_DICT holds in-memory snapshots (%s) "
+                    "that this run does not restore: its checkpointer, %s, does not read them "
+                    "(--config.checkpointer=memory does).", ", ".join(waiting),
+                    type(checkpointer).__name__)
+
+
+def _step_of(snapshot) -> Any:
+  nest = getattr(snapshot, "pickle_nest", None)
+  return nest.get("global_step", "?") if isinstance(nest, Mapping) else "?"
+
+
 def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:
   # As jaxline: train_eval_multithreaded's trainer gets a checkpointer made
   # for "train", its evaluator one made for "eval" (a factory may tell them apart).
@@ -275,6 +301,7 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
     logging.warning("[jaxline_ng] config.checkpointer=%r has no effect: the experiment passes "
                     "its own checkpointer_factory (%s).", config.checkpointer,
                     type(checkpointer).__name__)
+  _warn_of_unread_snapshots(checkpointer)
   eval_checkpointer = (checkpointer_factory(config, "eval") if mode == TRAIN_EVAL_MULTITHREADED
                        else checkpointer)
   if multihost.is_multiprocess():

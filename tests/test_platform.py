@@ -260,3 +260,23 @@ def test_an_eval_job_follows_an_in_memory_subclass_that_finds_checkpoints_elsewh
   with flagsaver.flagsaver(config=config, jaxline_mode="eval"):
     platform.main(toy.Experiment, [], checkpointer_factory=FindsMoreLater)
   assert [row["step"] for row in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_disk_run_says_it_does_not_restore_snapshots_seeded_in_memory(tmp_path, monkeypatch,
+                                                                        caplog):
+  """deeprte resumes by putting a snapshot it saved itself in
+  `utils.GLOBAL_CHECKPOINT_DICT` before `platform.main`; only the in-memory
+  checkpointer reads it, so a disk run starts from step 0 and must say so."""
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+  seeded = utils.SnapshotNT(0, {"global_step": 30})
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT",
+                      {"latest": utils.CheckpointNT(threading.local(), [seeded])})
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.checkpointer = "disk"
+  config.training_steps = 2
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    platform.main(toy.Experiment, [])
+  assert ("utils.GLOBAL_CHECKPOINT_DICT holds in-memory snapshots (latest at step 30) that this "
+          "run does not restore: its checkpointer, DiskCheckpointer") in caplog.text
