@@ -721,15 +721,16 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
   which must see the trainer's saves.
 
   Raises:
-    base_config.ConfigError: with mesh placement over several processes,
-      where the two threads' collectives would interleave differently in
-      each process and hang.
+    base_config.ConfigError: with several processes. Nothing orders the
+      evaluator's thread against training's, so their collectives (a pmean
+      of gradients, a psum of metrics) would reach the devices in another
+      order in each process, which aborts or hangs the run.
   """
-  if config.placement == "mesh" and multihost.is_multiprocess():
+  if multihost.is_multiprocess():
     raise base_config.ConfigError(
-        "--jaxline_mode=train_eval_multithreaded with config.placement='mesh' over "
-        f"{jax.process_count()} processes: the evaluator's collectives would interleave with "
-        "training's and hang; run --jaxline_mode=eval as a job of its own beside training")
+        f"--jaxline_mode=train_eval_multithreaded over {jax.process_count()} processes: the "
+        "evaluator's collectives would interleave with training's in another order in each "
+        "process and abort the run; run --jaxline_mode=eval as a job of its own beside training")
   if (eval_writer is not None and hasattr(eval_writer, "resume")
       and not checkpointer.can_be_restored("latest")):
     # Training starts at step 0 (`train` sets its own writer's earlier rows

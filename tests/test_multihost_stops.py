@@ -6,9 +6,9 @@ stops: every process stops after the same step, the chief saves it, all exit
 75 and the rerun continues exactly), a NaN only one process sees and an
 exception in one process (failures: every process exits 1 at once, nothing
 after the failure is saved). A signal to the launcher reaches every
-process. The evaluators of `train_eval_multithreaded` take the same disk
-checkpoints; a separate multi-process eval job in mesh mode stops in every
-process when one is signalled. Each run has a timeout.
+process. The processes of an eval job beside training take the same disk
+checkpoints, and stop together at once when one is signalled, in both
+placements. Each run has a timeout.
 """
 
 import fcntl
@@ -236,24 +236,22 @@ def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tm
   assert all(step <= 20 for step in saved_steps(tmp_path)), saved_steps(tmp_path)
 
 
-def test_train_eval_multithreaded_evaluates_the_agreed_step_and_stops_with_training(tmp_path):
-  launch = Launch(toy(tmp_path, PACED, "--jaxline_mode=train_eval_multithreaded"))
-  pid = launch.pid(1)
-  # The first evaluation (which step depends on the machine's load).
-  launch.wait_for(r"^\[p0\] .*eval step \d+:")
-  os.kill(pid, signal.SIGTERM)
-  assert launch.finish() == 75, launch.output
-  assert launch.exit_codes() == [75, 75], launch.output
-  agreed = launch.agreed_steps()
-  assert agreed[0] == agreed[1] < STEPS, launch.output
-  assert latest(tmp_path)[0] == agreed[0]
-  launch.wait_for(rf"^\[p0\] .*eval step {agreed[0]}:")
-  # The evaluators restore the disk checkpoints together, so they take the
+def test_an_eval_job_beside_training_evaluates_the_same_steps_in_every_process(tmp_path):
+  training = Launch(toy(tmp_path, PACED))
+  # It expects more steps than training makes, so it waits on until signalled.
+  evaluation = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
+                          "--config.eval_poll_interval_secs=0.2"))
+  assert training.finish() == 0, training.output
+  evaluation.wait_for(rf"^\[p0\] .*eval step {STEPS}:")
+  os.kill(evaluation.pid(1), signal.SIGTERM)
+  assert evaluation.finish() == 75, evaluation.output
+  assert evaluation.exit_codes() == [75, 75], evaluation.output
+  # The processes restore the disk checkpoints together, so they take the
   # same ones (the chief's choice) even as training saves new ones.
-  evaluated = [[int(match.group(1)) for line in launch.lines
+  evaluated = [[int(match.group(1)) for line in evaluation.lines
                 if (match := re.search(rf"^\[p{index}\] .*eval step (\d+):", line))]
                for index in range(2)]
-  assert evaluated[0] == evaluated[1], launch.output
+  assert evaluated[0] == evaluated[1] and len(evaluated[0]) > 1, evaluation.output
 
 
 MESH = ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:4",
@@ -278,11 +276,11 @@ def test_sigterm_to_one_process_of_a_mesh_eval_job_stops_every_process(tmp_path)
   assert launch.exit_codes() == [75, 75], launch.output
 
 
-def test_train_eval_multithreaded_in_mesh_mode_over_processes_is_refused(tmp_path):
-  launch = run(toy(tmp_path, "--jaxline_mode=train_eval_multithreaded", *MESH))
+def test_train_eval_multithreaded_over_processes_is_refused_naming_the_eval_job(tmp_path):
+  launch = run(toy(tmp_path, "--jaxline_mode=train_eval_multithreaded"))
   assert launch.exit_codes() == [1, 1], launch.output
-  launch.wait_for(r"^\[p\d\] jaxline_ng: error: --jaxline_mode=train_eval_multithreaded with "
-                  r"config.placement='mesh' over 2 processes: .* run --jaxline_mode=eval")
+  launch.wait_for(r"^\[p\d\] jaxline_ng: error: --jaxline_mode=train_eval_multithreaded over 2 "
+                  r"processes: .* run --jaxline_mode=eval")
 
 
 class _Ended:
