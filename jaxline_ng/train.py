@@ -663,7 +663,22 @@ def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: boo
       logging.info("[jaxline_ng] Waiting for a new checkpoint (last evaluated: %s).",
                    restored[0] if restored[0] is not None else "none")
       logged_wait = True
-    preemption.wait_for_stop(poll_interval_secs)  # A stop request ends the wait at once.
+    _wait_for_stop(poll_interval_secs)
+
+
+# How often the chief of a multi-process evaluation, waiting for a checkpoint,
+# looks whether another process was asked to stop (one key-value store read).
+_PEER_STOP_POLL_SECS = 0.25
+
+
+def _wait_for_stop(secs: float) -> None:
+  """Waits `secs`, or less once a stop is requested here or in another process:
+  the others wait for the chief's next choice, which is then "stop"."""
+  deadline = time.monotonic() + secs
+  slice_secs = _PEER_STOP_POLL_SECS if multihost.is_multiprocess() else secs
+  while (left := deadline - time.monotonic()) > 0:
+    if preemption.wait_for_stop(min(left, slice_secs)) or _stop_evaluating():
+      return
 
 
 def _agreed(decision: int, choose) -> tuple[str, str | None]:

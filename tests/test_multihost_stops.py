@@ -254,6 +254,19 @@ def test_an_eval_job_beside_training_evaluates_the_same_steps_in_every_process(t
   assert evaluated[0] == evaluated[1] and len(evaluated[0]) > 1, evaluation.output
 
 
+def test_a_stop_asked_of_another_process_ends_a_waiting_eval_job_at_once(tmp_path):
+  # The chief looks for a checkpoint every eval_poll_interval_secs (10 s by
+  # default); it must not sleep through a stop asked of another process.
+  launch = Launch(toy(tmp_path, "--jaxline_mode=eval"))
+  pid = launch.pid(1)
+  launch.wait_for(r"^\[p0\] .*Waiting for a new checkpoint")
+  signalled = time.monotonic()
+  os.kill(pid, signal.SIGTERM)
+  assert launch.finish() == 75, launch.output
+  assert launch.exit_codes() == [75, 75], launch.output
+  assert time.monotonic() - signalled < 5, launch.output
+
+
 MESH = ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:4",
         "--config.experiment_kwargs.config.dim=4",
         "--config.random_mode_train=same_host_same_device")
