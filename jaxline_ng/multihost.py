@@ -23,6 +23,7 @@ never complete.
 
 import atexit
 import errno
+import functools
 import json
 import os
 import signal
@@ -210,15 +211,51 @@ def host_slice(global_rows: Any) -> Any:
 
 
 def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
-  """Assembles per-process data into global `jax.Array`s sharded by `spec` over `mesh`.
+  """Assembles per-process rows into global `jax.Array`s sharded by `spec` over `mesh`.
 
-  Each process passes its own rows (e.g. from `host_slice`); the result is one
-  global array, for jit / shard_map code (pmap code passes local arrays).
+  Each process passes its own rows (its `host_slice` of the global batch);
+  the result is the global batch, every process's rows in process order,
+  for jit / shard_map code (pmap code passes local arrays). When `spec`
+  puts rows on a process's devices that another process holds (a mesh
+  whose batch axis does not span the processes, such as `data:1,model:4`
+  over 2 processes, or a replicated batch), every call first gathers all
+  processes' rows, a collective: load every row in each process instead
+  if that costs too much.
   """
   sharding = jax.sharding.NamedSharding(mesh, spec)
-  return jax.tree.map(
-      lambda rows: jax.make_array_from_process_local_data(sharding, np.asarray(rows)),
-      local_batch)
+  count = jax.process_count()
+
+  def assemble(rows):
+    rows = np.asarray(rows)
+    if count == 1 or rows.ndim == 0:
+      return jax.make_array_from_process_local_data(sharding, rows)
+    global_shape = (count * rows.shape[0], *rows.shape[1:])
+    if not _holds_its_own_rows(sharding, global_shape):
+      # Every process decides alike (same sharding and shapes), so all gather.
+      rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
+    return jax.make_array_from_process_local_data(sharding, rows, global_shape)
+
+  return jax.tree.map(assemble, local_batch)
+
+
+@functools.cache
+def _holds_its_own_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> bool:
+  """Whether the devices of each process `p` hold exactly its `host_slice`:
+  rows `[p * share, (p + 1) * share)` of the leading axis, nothing else."""
+  share = global_shape[0] // jax.process_count()
+  blocks: dict[int, set[tuple[int, int]]] = {}
+  for device, index in sharding.devices_indices_map(global_shape).items():
+    start, stop, _ = index[0].indices(global_shape[0])
+    blocks.setdefault(device.process_index, set()).add((start, stop))
+  for process, held in blocks.items():
+    end = process * share
+    for start, stop in sorted(held):
+      if start != end:
+        return False
+      end = stop
+    if end != (process + 1) * share:
+      return False
+  return True
 
 
 def broadcast_from_chief(tree: Any) -> Any:

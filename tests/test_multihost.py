@@ -82,6 +82,40 @@ def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_p
       assert json.loads(f.readlines()[-1])["step"] == 25
 
 
+GLOBAL_BATCH = """
+import sys
+import jax, numpy as np
+from absl import flags
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxline_ng import multihost
+flags.FLAGS(sys.argv)
+multihost.initialize_if_requested()
+batch = np.arange(2 * jax.device_count() * 3, dtype=np.float32).reshape(-1, 3)
+for shape, spec in [((4, 1), ("data",)), ((1, 4), ("data",)), ((2, 2), ("data",)),
+                    ((4, 1), ())]:
+  mesh = jax.make_mesh(shape, ("data", "model"))
+  array = multihost.global_batch(multihost.host_slice(batch), mesh, PartitionSpec(*spec))
+  expected = NamedSharding(mesh, PartitionSpec(*spec)).devices_indices_map(batch.shape)
+  right = array.shape == batch.shape and all(
+      np.array_equal(np.asarray(shard.data), batch[expected[shard.device]])
+      for shard in array.addressable_shards)
+  print(f"mesh {shape} spec {spec}: {'right' if right else 'WRONG'}", flush=True)
+"""
+
+
+def test_global_batch_is_every_process_rows_whatever_mesh_axis_holds_the_batch(tmp_path):
+  # With data:1,model:4 over 2 processes each device holds the whole batch,
+  # half of which the other process has: it was silently half a batch.
+  script = tmp_path / "global_batch.py"
+  script.write_text(GLOBAL_BATCH)
+  result = launch([sys.executable, str(script)], timeout=120)
+  assert result.returncode == 0, result.stdout[-4000:]
+  for process in range(2):
+    for shape, spec in [((4, 1), ("data",)), ((1, 4), ("data",)), ((2, 2), ("data",)),
+                        ((4, 1), ())]:
+      assert f"[p{process}] mesh {shape} spec {spec}: right" in result.stdout, result.stdout
+
+
 def test_a_dying_process_fails_the_launch_fast_with_its_error(tmp_path):
   result = launch(toy(tmp_path, "--config.training_steps=1000",
                       "--config.experiment_kwargs.config.fail_at_step=3",
