@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 import ml_collections
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from jaxline_ng import (
@@ -188,12 +188,15 @@ def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
   """Parses flags and starts absl logging when `main` is called without `app.run`.
 
   Published code calls `platform.main(Experiment, sys.argv[1:])` directly;
-  that argv has no program name. Some (tapnet) do so from the `main` of
-  `app.run`, which has parsed the flags already: jaxline ignored `argv`, so
-  the command line passed on again is not taken for extra arguments.
+  that argv has no program name (`sys.argv` itself, with it, is taken too).
+  Some (tapnet) do so from the `main` of `app.run`, which has parsed the
+  flags already: jaxline ignored `argv`, so the command line passed on
+  again is not taken for extra arguments.
   """
   if FLAGS.is_parsed():
     return sys.argv[:1] if argv and list(argv) == sys.argv[1:] else argv
+  if argv and list(argv) == sys.argv:
+    argv = argv[1:]
   # ml_collections takes `--config.key=value` overrides from `sys.argv`, not
   # from the arguments parsed: they must be the same list.
   sys.argv = [sys.argv[0], *argv]
@@ -369,17 +372,18 @@ def _as_config_dict(config):
 
 
 def _make_checkpoint_dir_absolute(config) -> None:
-  """Resolves a relative `checkpoint_dir` against the working directory, once.
+  """Resolves `checkpoint_dir` against the working directory (and `~` against
+  the home directory), once; "" is the working directory, as for jaxline's writers.
 
   Orbax refuses relative paths, and a later change of directory (by the
   experiment, or a library) would move the run's files; every consumer
   reads the absolute path from the config from here on.
   """
   checkpoint_dir = config.checkpoint_dir
-  if checkpoint_dir and not os.path.isabs(checkpoint_dir):
-    config.checkpoint_dir = os.path.abspath(checkpoint_dir)
-    logging.info("[jaxline_ng] config.checkpoint_dir=%r is relative: using %s.",
-                 checkpoint_dir, config.checkpoint_dir)
+  absolute = os.path.abspath(os.path.expanduser(checkpoint_dir or "."))
+  if absolute != checkpoint_dir:
+    config.checkpoint_dir = absolute
+    logging.info("[jaxline_ng] config.checkpoint_dir=%r: using %s.", checkpoint_dir, absolute)
 
 
 def main(experiment_class, argv: Sequence[str],
@@ -392,7 +396,8 @@ def main(experiment_class, argv: Sequence[str],
   """
   argv = _parse_flags_if_needed(argv)
   if len(argv) > 1:
-    raise app.UsageError(f"Too many command-line arguments: {list(argv[1:])}")
+    raise SystemExit(f"jaxline_ng: error: unexpected positional arguments {list(argv[1:])}: "
+                     "pass flags only (platform.main takes sys.argv[1:], as under app.run)")
   config = _CONFIG.value
   if config is None:
     raise SystemExit("jaxline_ng: error: --config is required (a config file: path.py[:arg])")

@@ -76,7 +76,7 @@ def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
     ([f"--config={TOY}", "--config.checkpoint_dir=/proc/no_such_dir"],
      "config.checkpoint_dir='/proc/no_such_dir': cannot write"),
     ([], "--config"),
-    ([f"--config={TOY}", "trian"], "Too many command-line arguments: ['trian']"),
+    ([f"--config={TOY}", "trian"], "unexpected positional arguments ['trian']: pass flags only"),
     ([f"--config={TOY}", "--jaxline_ensure_tpu"], "--jaxline_ensure_tpu: JAX's default backend"),
     ([f"--config={TOY}", "--jaxline_tpu_driver=grpc://10.0.0.2:8470"],
      "--jaxline_tpu_driver='grpc://10.0.0.2:8470': JAX removed"),
@@ -104,7 +104,9 @@ def test_syntax_error_in_config_file_is_one_line(tmp_path):
     "platform.main(toy.Experiment, sys.argv[1:])",
     # tapnet: app.run's main passes the command line on, already parsed.
     "app.run(lambda argv: platform.main(toy.Experiment, sys.argv[1:]))",
-], ids=["bare", "under_app_run"])
+    # The whole command line, program name included, as a newcomer passes it.
+    "platform.main(toy.Experiment, sys.argv)",
+], ids=["bare", "under_app_run", "bare_with_the_program_name"])
 def test_main_given_the_command_line_as_published_code_calls_it(tmp_path, call):
   """Published code calls platform.main(Exp, sys.argv[1:]), with or without app.run."""
   script = tmp_path / "published_main.py"

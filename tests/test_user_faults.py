@@ -45,6 +45,20 @@ def test_relative_checkpoint_dir_with_disk_checkpoints(tmp_path):
     assert json.load(f)["config"]["checkpoint_dir"] == str(run_dir)
 
 
+@pytest.mark.parametrize("given, resolved", [("", "."), ("~/runs/x", "home/runs/x"),
+                                             ("~", "home"), ("/abs/x", "/abs/x")])
+def test_an_empty_or_home_relative_checkpoint_dir_is_made_absolute(tmp_path, monkeypatch, given,
+                                                                   resolved):
+  # "" crashed in orbax at the first disk save; "~/x" made a directory named "~".
+  from jaxline_ng import base_config, platform  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  config = base_config.get_base_config()
+  config.checkpoint_dir = given
+  platform._make_checkpoint_dir_absolute(config)  # pylint: disable=protected-access
+  assert config.checkpoint_dir == os.path.normpath(tmp_path / resolved)
+
+
 @pytest.mark.parametrize("override,key,close", [
     ("--config.training_step", "training_step", "training_steps"),
     ("--config.experiment_kwargs.configg.learning_rate", "configg", "config"),
