@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from jaxline_ng import devices, preemption
+from jaxline_ng import base_config, devices, preemption
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import rng as rng_lib
 
@@ -59,7 +59,12 @@ class AbstractExperiment(abc.ABC):
     Override for epoch- or update-count termination (`training_steps=None`).
     The evaluation loop asks it too, to learn when training has ended.
     """
-    return global_step < config.training_steps
+    steps = config.training_steps
+    if steps is None:
+      raise base_config.ConfigError(
+          f"config.training_steps=None, but {type(self).__name__} does not override "
+          "should_run_step to say when training ends: set a number of steps")
+    return global_step < steps
 
   def initialize_train_step_rng(self, rng: jax.Array) -> jax.Array:
     """Places the training chain's first key as `train_loop` takes it.

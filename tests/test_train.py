@@ -238,6 +238,14 @@ def test_should_run_step_override_ends_training():
   assert len(Counting.seen) == 4
 
 
+def test_training_steps_none_without_an_override_is_one_line_naming_the_key():
+  config = make_config(training_steps=None)
+  with pytest.raises(base_config.ConfigError, match="config.training_steps=None, but Counting "
+                     "does not override should_run_step") as raised:
+    train.train(Counting, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert raised.value.one_line
+
+
 class Traced(experiment.AbstractExperiment):
   traces = 0
 
