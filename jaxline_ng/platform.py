@@ -129,7 +129,8 @@ _report_config_errors_in_one_line(FLAGS["config"])
 
 def check_mode(mode: str) -> None:
   """Raises ConfigError unless `mode` is one the platform runs."""
-  if mode in ("train", "eval", TRAIN_EVAL_MULTITHREADED) or mode.startswith("eval_"):
+  if mode in ("train", "eval", TRAIN_EVAL_MULTITHREADED) or (
+      mode.startswith("eval_") and mode != "eval_"):  # The name goes into directory names.
     return
   raise base_config.ConfigError(
       f"--jaxline_mode={mode!r} is not a mode; expected train, eval, eval_<name> "

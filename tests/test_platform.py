@@ -282,3 +282,14 @@ def test_a_disk_run_says_it_does_not_restore_snapshots_seeded_in_memory(tmp_path
     platform.main(toy.Experiment, [])
   assert ("utils.GLOBAL_CHECKPOINT_DICT holds in-memory snapshots (latest at step 30) that this "
           "run does not restore: its checkpointer, DiskCheckpointer") in caplog.text
+
+
+@pytest.mark.parametrize("mode, runs", [("train", True), ("eval", True), ("eval_holdout", True),
+                                        ("train_eval_multithreaded", True), ("eval_", False),
+                                        ("evaluate", False)])
+def test_check_mode_takes_the_modes_and_an_eval_job_with_a_name(mode, runs):
+  if runs:
+    platform.check_mode(mode)
+  else:
+    with pytest.raises(ValueError, match=f"--jaxline_mode={mode!r} is not a mode"):
+      platform.check_mode(mode)
