@@ -107,6 +107,9 @@ class AbstractExperiment(abc.ABC):
     NON_BROADCAST_CHECKPOINT_ATTRS' device arrays are copied), so the caller
     may keep them while training donates the live ones.
     """
+    problem = checkpoint_attrs_problem(self)
+    if problem:
+      raise CheckpointAttrsError(problem)
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     if not attrs and not non_broadcast_attrs and not _overrides_snapshot(self):
       # Once: saves every few steps would repeat it.
@@ -150,6 +153,36 @@ def checkpoint_attrs(experiment) -> tuple[Mapping[str, str], Mapping[str, str]]:
   """
   return (getattr(experiment, "CHECKPOINT_ATTRS", None) or {},
           getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})
+
+
+class CheckpointAttrsError(AttributeError):
+  """An entry of CHECKPOINT_ATTRS cannot be checkpointed; the message names it."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
+
+
+def checkpoint_attrs_problem(experiment) -> str | None:
+  """Why `snapshot_state` cannot take the experiment's checkpointed
+  attributes (one missing, or in pmap mode a CHECKPOINT_ATTRS value
+  without a device axis), or None. Reads no device memory."""
+  if _overrides_snapshot(experiment):
+    return None
+  attrs, non_broadcast_attrs = checkpoint_attrs(experiment)
+  name = type(experiment).__name__
+  for key, entries in (("CHECKPOINT_ATTRS", attrs),
+                       ("NON_BROADCAST_CHECKPOINT_ATTRS", non_broadcast_attrs)):
+    for attr in entries:
+      if not hasattr(experiment, attr):
+        return (f"{name}.{key} names {attr!r}, which {name} does not have: set it in "
+                "__init__ (None until step builds it) or fix the name")
+  if mesh_lib.active_mesh() is None:
+    for attr in attrs:
+      for leaf in jax.tree.leaves(getattr(experiment, attr)):
+        if getattr(leaf, "ndim", 0) < 1:
+          return (f"{name}.CHECKPOINT_ATTRS entry {attr!r} holds {type(leaf).__name__} "
+                  f"{leaf!r:.40}, which has no device axis: in pmap mode these hold a copy per "
+                  "device (utils.bcast_local_devices); list host values in "
+                  "NON_BROADCAST_CHECKPOINT_ATTRS")
+  return None
 
 
 def _overrides_snapshot(experiment) -> bool:

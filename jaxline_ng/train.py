@@ -149,6 +149,23 @@ class _StepScalarsCheck(periodic.EveryStepAction):
       raise ScalarsError(problems[0])
 
 
+class _CheckpointAttrsCheck(periodic.EveryStepAction):
+  """A periodic action: after the first step (which may build what `__init__`
+  left None), stops the run if its CHECKPOINT_ATTRS cannot be saved, rather
+  than at the first save, minutes or a whole run later."""
+
+  def __init__(self, experiment):
+    self._experiment = experiment
+
+  def __call__(self, t: float, step: int, scalars: Any) -> None:
+    del t, step, scalars
+    if self._experiment is not None:
+      experiment, self._experiment = self._experiment, None
+      problem = experiment_lib.checkpoint_attrs_problem(experiment)
+      if problem:
+        raise experiment_lib.CheckpointAttrsError(problem)
+
+
 def _interval_type(config, specific_key: str) -> str:
   return config[specific_key] or config.interval_type
 
@@ -357,6 +374,8 @@ def train(experiment_class, config, checkpointer, writer,
         steps_completed=state.global_step))
   # Outputs that cannot be logged stop the run first, while they are as `step` returned them.
   actions = [_StepScalarsCheck(), *periodic_actions, *own_actions]
+  if save_checkpoints:
+    actions.insert(1, _CheckpointAttrsCheck(state.experiment_module))
   if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
     save_latest()
 

@@ -246,6 +246,54 @@ def test_training_steps_none_without_an_override_is_one_line_naming_the_key():
   assert raised.value.one_line
 
 
+class TypoInAttrs(Counting):
+  CHECKPOINT_ATTRS = {"_count": "count", "_cuont": "typo"}
+
+
+class HostIntInAttrs(Counting):
+  CHECKPOINT_ATTRS = {"_count": "count", "_epoch": "epoch"}
+  _epoch = 0
+
+
+class BuiltInStep(Counting):
+  """A checkpointed attribute left None by __init__ and built by the first step."""
+  CHECKPOINT_ATTRS = {"_count": "count", "_later": "later"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._later = None
+
+  def step(self, global_step, rng, writer):
+    self._later = jnp.copy(self._count)  # `step` donates `_count`.
+    return super().step(global_step, rng, writer)
+
+
+@pytest.mark.parametrize("experiment_class, culprit", [
+    (TypoInAttrs, "TypoInAttrs.CHECKPOINT_ATTRS names '_cuont', which TypoInAttrs does not have"),
+    (HostIntInAttrs, "HostIntInAttrs.CHECKPOINT_ATTRS entry '_epoch' holds int 0, which has "
+                     "no device axis"),
+])
+def test_checkpoint_attrs_that_cannot_be_saved_stop_the_run_after_its_first_step(
+    experiment_class, culprit):
+  # The first save would come at step 1000, or at the end of the whole run.
+  Counting.seen = []
+  config = make_config(training_steps=50)
+  with pytest.raises(experiment.CheckpointAttrsError, match=culprit) as raised:
+    train.train(experiment_class, config, checkpointing.InMemoryCheckpointer(config, "train"),
+                None)
+  assert raised.value.one_line and len(Counting.seen) == 1
+  with pytest.raises(experiment.CheckpointAttrsError, match=culprit):
+    experiment_class("train", jax.random.PRNGKey(0)).snapshot_state()  # Every save says so too.
+
+
+def test_a_checkpointed_attribute_built_by_the_first_step_is_saved():
+  config = make_config(training_steps=2)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  train.train(BuiltInStep, config, checkpointer, None)
+  assert set(utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest[
+      "experiment_module"]) == {"count", "later"}
+
+
 class Traced(experiment.AbstractExperiment):
   traces = 0
 
