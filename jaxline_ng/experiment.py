@@ -303,8 +303,18 @@ def construct(experiment_class, mode: str, init_rng, experiment_kwargs):
 
   A constructor without an `init_rng` parameter is called without it, with a
   deprecation warning: such experiments seed themselves from their config.
+  Keyword arguments the constructor does not take (or lacks) are a
+  ConfigError naming `config.experiment_kwargs`.
   """
-  if "init_rng" in inspect.signature(experiment_class).parameters:
+  signature = inspect.signature(experiment_class)
+  takes_rng = "init_rng" in signature.parameters
+  try:
+    signature.bind(mode, **({"init_rng": init_rng} if takes_rng else {}), **experiment_kwargs)
+  except TypeError as e:
+    raise base_config.ConfigError(
+        f"config.experiment_kwargs ({', '.join(experiment_kwargs) or 'empty'}) does not fit "
+        f"{experiment_class.__name__}.__init__{signature}: {e}") from None
+  if takes_rng:
     return experiment_class(mode, init_rng=init_rng, **experiment_kwargs)
   logging.warning(
       "[jaxline_ng] %s.__init__ takes no init_rng: add it and initialise the model "

@@ -414,3 +414,21 @@ def test_a_restarted_evaluator_restores_best_through_a_jaxline_style_checkpointe
   train.evaluate(NoInitRng, config, restarted, None, jaxline_mode="eval")
   assert restarted.get_experiment_state("best").best_eval_metric_value == 3.0
   assert restarted.saves == []  # The same value again is no new best.
+
+
+class TakesConfig(NoInitRng):
+
+  def __init__(self, mode, init_rng, config):
+    super().__init__(mode)
+    del init_rng, config
+
+
+@pytest.mark.parametrize("kwargs, culprit", [
+    ({"config": {}, "dropout": 0.1}, "unexpected keyword argument 'dropout'"),
+    ({}, "missing a required argument: 'config'"),
+])
+def test_experiment_kwargs_the_constructor_does_not_take_are_one_line_naming_them(kwargs, culprit):
+  with pytest.raises(base_config.ConfigError, match=culprit) as raised:
+    train.train(TakesConfig, make_config(experiment_kwargs=config_dict.ConfigDict(kwargs)),
+                utils.InMemoryCheckpointer(make_config(), "train"), None)
+  assert "config.experiment_kwargs" in str(raised.value) and raised.value.one_line
