@@ -92,15 +92,34 @@ def _background_failure(error: BaseException) -> WriterError:
   return WriterError(f"Background metric writing failed: {error!r}")
 
 
-def _to_number(value: Any) -> int | float:
-  """A scalar metric as a Python number: integers stay int, all else float."""
+class WriteInputError(ValueError):
+  """A value handed to a writer cannot be written; the message names it."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
+
+
+def _to_number(value: Any, name: str) -> int | float:
+  """Scalar metric `name` as a Python number: integers stay int, all else float."""
   if type(value) in (int, float):  # What the training loop's logging passes: no NumPy round trip.
     return value
-  array = np.asarray(value)
-  if array.size != 1:
-    raise ValueError(f"Expected a scalar or shape [1], got shape {array.shape}.")
-  array = array.reshape(())
-  return int(array) if np.issubdtype(array.dtype, np.integer) else float(array)
+  try:
+    array = np.asarray(value).reshape(())
+    return int(array) if np.issubdtype(array.dtype, np.integer) else float(array)
+  except (TypeError, ValueError):
+    raise WriteInputError(f"write_scalars: scalar {name!r} is {type(value).__name__} "
+                          f"{value!r:.40} of shape {np.shape(value)}: write a number or an "
+                          "array of one") from None
+
+
+def _to_step(global_step: Any) -> int:
+  """The step a row is written at, as an int."""
+  if type(global_step) is int:  # What the training loop's logging passes.
+    return global_step
+  try:
+    return int(np.asarray(global_step).reshape(()))
+  except (TypeError, ValueError):
+    raise WriteInputError(f"writer: global_step {global_step!r:.40} is not one step: "
+                          "pass an int (in pmap mode, the step as a number, not the per-device "
+                          "array)") from None
 
 
 def _to_image_batch(value: Any) -> np.ndarray:
@@ -211,8 +230,8 @@ class TensorBoardWriter:
 
   def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
     self._open()
-    self._rows.append((int(global_step), b"".join(
-        _summary_value_bytes(name, _to_number(value)) for name, value in scalars.items())))
+    self._rows.append((_to_step(global_step), b"".join(
+        _summary_value_bytes(name, _to_number(value, name)) for name, value in scalars.items())))
     if (len(self._rows) >= _MAX_BUFFERED_ROWS or
         time.monotonic() - self._last_commit >= _COMMIT_SECONDS):
       self._commit()
@@ -369,8 +388,8 @@ class JsonlWriter:
       with self._naming_the_file():
         os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
         self._file = open(self._path, "ab")
-    row = {"step": int(global_step)}
-    row.update((name, _to_number(value)) for name, value in scalars.items())
+    row = {"step": _to_step(global_step)}
+    row.update((name, _to_number(value, name)) for name, value in scalars.items())
     line = (json.dumps(row) + "\n").encode()
     self._lines.append(line)
     self._buffered_bytes += len(line)
@@ -626,7 +645,7 @@ def _write(write: Callable[[int, Any], None], global_step: Any, values: dict[str
   """On the worker's thread: copies device values to the host, then calls `write`."""
   if not all(isinstance(value, _HOST_TYPES) for value in values.values()):
     global_step, values = jax.device_get((global_step, values))
-  write(int(global_step), values)
+  write(_to_step(global_step), values)
 
 
 def make_writer(logdir: str, *, use_async: bool = True, tensorboard: bool = True) -> Writer:

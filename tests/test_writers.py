@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -618,3 +619,18 @@ def test_a_full_disk_under_metrics_is_one_line_naming_the_file():
         "[Errno 28] cannot write /dev/full: No space left on device")
     with pytest.raises((writers.MetricsWriteError, writers.WriterError)):
       writer.close()
+
+
+@pytest.mark.parametrize("step, scalars, culprit", [
+    (1, {"loss": 0.5, "lr": np.ones(3)}, "write_scalars: scalar 'lr' is ndarray"),
+    (1, {"mode": "fast"}, "write_scalars: scalar 'mode' is str 'fast'"),
+    (np.arange(4), {"loss": 0.5}, "writer: global_step array([0, 1, 2, 3]) is not one step"),
+])
+def test_values_a_writer_cannot_write_are_one_line_naming_them(tmp_path, step, scalars, culprit):
+  # A step that writes through the writer it is given, not what it returns (which
+  # the loop checks): the failure came back as three tracebacks naming nothing.
+  writer = writers.make_writer(str(tmp_path))
+  writer.write_scalars(step, scalars)
+  with pytest.raises(writers.WriterError, match=re.escape(culprit)) as raised:
+    writer.close()
+  assert raised.value.one_line
