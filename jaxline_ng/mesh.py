@@ -123,6 +123,11 @@ def restore_like(live: Any, saved: Any) -> Any:
   """Places saved host values with the shardings of the live values they replace."""
 
   def put(live_leaf, saved_leaf):
+    if isinstance(live_leaf, jax.Array) and not live_leaf.committed:
+      # Made outside jit and never placed (optax's `count`): jit moves it where
+      # needed. Put on its one device it would be committed there, and jit
+      # would refuse to mix it with the mesh's arrays in the resumed run.
+      return jax.device_put(np.asarray(saved_leaf, dtype=live_leaf.dtype))
     if isinstance(saved_leaf, jax.Array) and isinstance(live_leaf, jax.Array) and \
         saved_leaf.sharding == live_leaf.sharding and saved_leaf.dtype == live_leaf.dtype:
       return saved_leaf  # Already placed (a disk checkpoint's arrays, any process count).

@@ -139,3 +139,29 @@ def test_disable_pmap_jit_in_mesh_mode(tmp_path):
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "run eagerly" in result.stderr and "step 3/3" in result.stderr
+
+
+class WithUncommittedCount(toy.Experiment):
+  """Mesh-mode state as optax leaves it: a step counter made outside jit,
+  which jit moves to the mesh's devices whenever it meets their arrays."""
+  CHECKPOINT_ATTRS = {"_params": "params", "_count": "count"}
+
+  def __init__(self, mode, init_rng, config):
+    super().__init__(mode, init_rng, config)
+    self._count = jax.numpy.zeros((), jax.numpy.int32)
+    self._bump = jax.jit(lambda count, params: count + (params.sum() > -1))
+
+  def step(self, global_step, rng, writer):
+    self._count = self._bump(self._count, self._params)
+    return super().step(global_step, rng, writer)
+
+
+def test_a_mesh_run_resumes_state_that_init_left_uncommitted(tmp_path):
+  config = toy_config(tmp_path, "mesh", steps=2, mesh_shape="data:-1,model:2",
+                      checkpointer="disk")
+  train.train(WithUncommittedCount, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+              Recorder())
+  config.training_steps = 4
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(WithUncommittedCount, config, checkpointer, Recorder())  # Resumed at step 2.
+  assert int(checkpointer.get_experiment_state("latest").experiment_module._count) == 4  # pylint: disable=protected-access
