@@ -619,9 +619,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
           os.path.abspath(path), args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
               item=targets, restore_args=restore_args, partial_restore=True)}))[_STATE_ITEM]
     except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
-      # TensorStore appends its whole spec (~1 kB of JSON) to the reason.
-      reason = str(e).split(" [tensorstore_spec=", 1)[0]
-      raise UnusableCheckpoint(f"its arrays do not load ({type(e).__name__}: {reason})") from None
+      raise UnusableCheckpoint(f"its arrays do not load ({_one_line_reason(e)})") from None
 
   def at(tree_path):
     node = restored
@@ -632,6 +630,25 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
     return node
 
   return meta, entries, live, wanted, expected, at
+
+
+# Where TensorStore's and orbax's messages go on to print a whole TensorStore
+# spec (~1 kB of JSON over some 60 lines): the reason is what comes before.
+_SPEC_MARKERS = (" [tensorstore_spec=", " See full TensorStore details:")
+
+
+def _one_line_reason(error: BaseException) -> str:
+  """`error`'s type and first line without TensorStore's spec, and its cause's
+  (orbax's own message names only the array it was reading)."""
+  parts = []
+  while error is not None and len(parts) < 2:
+    text = str(error)
+    for marker in _SPEC_MARKERS:
+      text = text.split(marker, 1)[0]
+    first_line = text.strip().partition("\n")[0]
+    parts.append(f"{type(error).__name__}: {first_line}")
+    error = error.__cause__
+  return "; caused by ".join(parts)
 
 
 def _load(path: str, live_nest: dict[str, Any], together: bool = False,

@@ -165,3 +165,18 @@ def test_a_mesh_run_resumes_state_that_init_left_uncommitted(tmp_path):
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
   train.train(WithUncommittedCount, config, checkpointer, Recorder())  # Resumed at step 2.
   assert int(checkpointer.get_experiment_state("latest").experiment_module._count) == 4  # pylint: disable=protected-access
+
+
+def test_a_truncated_shard_of_a_mesh_checkpoint_is_reported_in_one_line(tmp_path):
+  # Large enough that orbax keeps it in a data file of its own, not inline.
+  config = toy_config(tmp_path, "mesh", steps=2, mesh_shape="data:-1,model:2",
+                      checkpointer="disk")
+  config.experiment_kwargs.config.dim = 1 << 16
+  run(config, disk_checkpointing.DiskCheckpointer(config, "train"))
+  data = [p for p in (tmp_path / "checkpoints" / "latest" / "2" / "state").rglob("*")
+          if p.is_file() and p.parent.name == "d"]
+  biggest = max(data, key=lambda p: p.stat().st_size)
+  os.truncate(biggest, biggest.stat().st_size // 2)
+  with pytest.raises(disk_checkpointing.CheckpointRefused, match="its arrays do not load") as e:
+    run(config, disk_checkpointing.DiskCheckpointer(config, "train"))
+  assert "\n" not in str(e.value) and "TensorStore details" not in str(e.value), str(e.value)
