@@ -925,8 +925,8 @@ class DiskCheckpointer:
       for series_dir in (self._restore_path,
                          os.path.join(self._restore_path, "checkpoints", "latest")):
         steps = _steps(series_dir)
-        if steps:
-          return [os.path.join(series_dir, str(steps[-1]))]
+        if steps:  # All of them: a damaged one is reported and the one before it used.
+          return [os.path.join(series_dir, str(step)) for step in reversed(steps)]
       paths = [self._restore_path]
     return paths
 

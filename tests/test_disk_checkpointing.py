@@ -169,6 +169,17 @@ def test_restore_path_seeds_a_fresh_run_with_weights_only(tmp_path, restore_path
   del source
 
 
+def test_a_restore_path_whose_newest_checkpoint_is_damaged_seeds_from_the_one_before(tmp_path,
+                                                                                    caplog):
+  run(disk_config(tmp_path / "source", 4))
+  source = tmp_path / "source" / "checkpoints" / "latest"
+  _truncate(source / "4")
+  fresh = run(disk_config(tmp_path / "fresh", 2, restore_path=str(tmp_path / "source")))
+  assert fresh._history == [0, 1, 0, 1]  # Step 2's weights, then two steps of its own.
+  assert f"Checkpoint {source / '4'} could not be loaded" in caplog.text
+  assert series_steps(tmp_path / "source") == [2, 4]  # Another run's: nothing moved.
+
+
 @pytest.mark.parametrize("where", ["missing", "empty"])
 def test_an_unusable_restore_path_is_refused_naming_the_config_key(tmp_path, where):
   os.makedirs(tmp_path / "empty")
