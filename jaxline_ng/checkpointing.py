@@ -32,6 +32,12 @@ SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
 
 
+class CheckpointSuperseded(Exception):
+  """The checkpoint a reader chose went while it read it, and a newer one is
+  there: the writer's `max_checkpoints_to_keep` rotated it out. An evaluator
+  goes on to the newer one."""
+
+
 class ExperimentState:
   """What a checkpoint series holds for a run: attributes set by the loops.
 

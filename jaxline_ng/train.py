@@ -586,12 +586,17 @@ def evaluate(experiment_class, config, checkpointer, writer,
       break
     if action == "restore":
       restored = _checkpoint_version(path)  # Before restoring: a save meanwhile is new.
+      superseded = False
       with experiment_lib.log_activity("checkpoint restore"):
-        if follow_chief:
-          checkpointer.restore("latest", path=path)  # The chief's choice, not a newer one.
-        else:
-          checkpointer.restore("latest")
-      if state.global_step <= evaluated_step:
+        try:
+          if follow_chief:
+            checkpointer.restore("latest", path=path)  # The chief's choice, not a newer one.
+          else:
+            checkpointer.restore("latest")
+        except checkpointing.CheckpointSuperseded as e:
+          logging.warning("[jaxline_ng] Not evaluated: %s; going on to the newer one.", e)
+          superseded = True
+      if superseded or state.global_step <= evaluated_step:
         continue
     else:  # "initial"
       state.global_step = 0

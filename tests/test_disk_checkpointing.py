@@ -247,6 +247,33 @@ def test_a_restarted_evaluator_writes_each_step_once(tmp_path):
   assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [4]
 
 
+def test_an_eval_job_goes_past_a_checkpoint_rotated_out_while_it_reads(tmp_path, monkeypatch,
+                                                                       caplog):
+  # The trainer's max_checkpoints_to_keep deleted the checkpoint (and the older
+  # ones) the eval job was reading: it stopped with "no usable checkpoint".
+  config = disk_config(tmp_path, 8, max_checkpoints_to_keep=4)
+  run(config)  # Steps 2, 4, 6, 8.
+  series = tmp_path / "checkpoints" / "latest"
+  os.rename(series / "8", tmp_path / "8")  # Not saved yet when the eval job starts.
+  real_load = disk_checkpointing._load  # pylint: disable=protected-access
+
+  def load_while_training_saves(path, *args, **kwargs):
+    if (tmp_path / "8").exists():  # The save lands and rotates the older ones out.
+      os.rename(tmp_path / "8", series / "8")
+      for step in (2, 4, 6):
+        shutil.rmtree(series / str(step))
+    return real_load(path, *args, **kwargs)
+
+  monkeypatch.setattr(disk_checkpointing, "_load", load_while_training_saves)
+  path = tmp_path / "eval" / "metrics.jsonl"
+  writer = writers.JsonlWriter(str(path))
+  train.evaluate(Rich, config, disk_checkpointing.DiskCheckpointer(config, "eval"), writer,
+                 jaxline_mode="eval", poll_interval_secs=0.01)
+  writer.close()
+  assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [8]
+  assert f"Not evaluated: {series / '6'} did not load" in caplog.text
+
+
 def test_read_without_an_experiment(tmp_path):
   run(disk_config(tmp_path, 4))
   step, nest = disk_checkpointing.read(str(tmp_path))
