@@ -107,9 +107,6 @@ class AbstractExperiment(abc.ABC):
     NON_BROADCAST_CHECKPOINT_ATTRS' device arrays are copied), so the caller
     may keep them while training donates the live ones.
     """
-    problem = checkpoint_attrs_problem(self)
-    if problem:
-      raise CheckpointAttrsError(problem)
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
     if not attrs and not non_broadcast_attrs and not _overrides_snapshot(self):
       # Once: saves every few steps would repeat it.
@@ -117,9 +114,15 @@ class AbstractExperiment(abc.ABC):
           logging.WARNING, "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
           "checkpoints will hold no experiment state.", 1, type(self).__name__)
     one_copy = devices.get_first if mesh_lib.active_mesh() is None else devices.fresh_copies
-    snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()}))
-    for attr, name in non_broadcast_attrs.items():
-      snapshot[name] = devices.fresh_copies(getattr(self, attr))
+    try:
+      snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()}))
+      for attr, name in non_broadcast_attrs.items():
+        snapshot[name] = devices.fresh_copies(getattr(self, attr))
+    except (AttributeError, TypeError, IndexError):
+      problem = checkpoint_attrs_problem(self)  # Looked for only now: saves are frequent.
+      if problem:
+        raise CheckpointAttrsError(problem) from None
+      raise
     return snapshot
 
   def restore_from_snapshot(self, snapshot_state: Mapping[str, Any]) -> None:
