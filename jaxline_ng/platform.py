@@ -372,19 +372,24 @@ def _as_config_dict(config):
       "built on jaxline_ng.base_config.get_base_config()")
 
 
-def _make_checkpoint_dir_absolute(config) -> None:
-  """Resolves `checkpoint_dir` against the working directory (and `~` against
-  the home directory), once; "" is the working directory, as for jaxline's writers.
+def _make_paths_absolute(config) -> None:
+  """Resolves `checkpoint_dir`, `restore_path` and `compilation_cache_dir`
+  against the working directory (and `~` against the home directory), once.
 
   Orbax refuses relative paths, and a later change of directory (by the
   experiment, or a library) would move the run's files; every consumer
-  reads the absolute path from the config from here on.
+  reads the absolute paths from the config from here on. An empty
+  `checkpoint_dir` is the working directory, as for jaxline's writers; an
+  empty `restore_path` or `compilation_cache_dir` stays empty (none, off).
   """
-  checkpoint_dir = config.checkpoint_dir
-  absolute = os.path.abspath(os.path.expanduser(checkpoint_dir or "."))
-  if absolute != checkpoint_dir:
-    config.checkpoint_dir = absolute
-    logging.info("[jaxline_ng] config.checkpoint_dir=%r: using %s.", checkpoint_dir, absolute)
+  for key in ("checkpoint_dir", "restore_path", "compilation_cache_dir"):
+    given = config[key]
+    if not given and key != "checkpoint_dir":
+      continue
+    absolute = os.path.abspath(os.path.expanduser(given or "."))
+    if absolute != given:
+      config[key] = absolute
+      logging.info("[jaxline_ng] config.%s=%r: using %s.", key, given, absolute)
 
 
 def main(experiment_class, argv: Sequence[str],
@@ -409,7 +414,7 @@ def main(experiment_class, argv: Sequence[str],
       multihost.exit_when_a_peer_fails()
     multihost.begin_run()
     base_config.validate_config(config)
-    _make_checkpoint_dir_absolute(config)
+    _make_paths_absolute(config)
     check_mode(mode)
     # JAX takes process 0's count when others give another: a wrong count is named too.
     multihost.check_same_launch({

@@ -45,18 +45,21 @@ def test_relative_checkpoint_dir_with_disk_checkpoints(tmp_path):
     assert json.load(f)["config"]["checkpoint_dir"] == str(run_dir)
 
 
-@pytest.mark.parametrize("given, resolved", [("", "."), ("~/runs/x", "home/runs/x"),
-                                             ("~", "home"), ("/abs/x", "/abs/x")])
-def test_an_empty_or_home_relative_checkpoint_dir_is_made_absolute(tmp_path, monkeypatch, given,
-                                                                   resolved):
-  # "" crashed in orbax at the first disk save; "~/x" made a directory named "~".
+@pytest.mark.parametrize("key, given, resolved", [
+    ("checkpoint_dir", "", "."), ("checkpoint_dir", "~/runs/x", "home/runs/x"),
+    ("checkpoint_dir", "~", "home"), ("checkpoint_dir", "/abs/x", "/abs/x"),
+    ("restore_path", "~/runs/y", "home/runs/y"), ("restore_path", "", None),
+    ("compilation_cache_dir", "cache", "cache"), ("compilation_cache_dir", "", None)])
+def test_paths_in_the_config_are_made_absolute_once(tmp_path, monkeypatch, key, given, resolved):
+  # An empty checkpoint_dir crashed in orbax at the first disk save; "~/x" made
+  # a directory named "~". Empty restore_path and cache directory mean none.
   from jaxline_ng import base_config, platform  # pylint: disable=import-outside-toplevel
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   config = base_config.get_base_config()
-  config.checkpoint_dir = given
-  platform._make_checkpoint_dir_absolute(config)  # pylint: disable=protected-access
-  assert config.checkpoint_dir == os.path.normpath(tmp_path / resolved)
+  config[key] = given
+  platform._make_paths_absolute(config)  # pylint: disable=protected-access
+  assert config[key] == (given if resolved is None else os.path.normpath(tmp_path / resolved))
 
 
 @pytest.mark.parametrize("override,key,close", [
