@@ -237,10 +237,13 @@ def _close(writer) -> None:
 
 
 def compilation_cache_dir(config) -> str | None:
-  """The directory JAX's persistent compilation cache uses for `config`'s run, or None (off)."""
+  """The directory JAX's persistent compilation cache uses for `config`'s run, or None (off).
+
+  The config's paths are absolute by now (`_make_paths_absolute`).
+  """
   if config.compilation_cache_dir is None:
-    return os.path.abspath(os.path.join(config.checkpoint_dir, "compilation_cache"))
-  return os.path.abspath(config.compilation_cache_dir) if config.compilation_cache_dir else None
+    return os.path.join(config.checkpoint_dir, "compilation_cache")
+  return config.compilation_cache_dir or None
 
 
 def enable_compilation_cache(config) -> None:
