@@ -984,14 +984,16 @@ class DiskCheckpointer:
       return
     if not failures:
       raise CheckpointRefused(f"no checkpoint for series {ckpt_series!r} in {self._read_root}")
-    newest_failed = os.path.basename(failures[0][0])
-    steps_now = _steps(self._read_series_dir(ckpt_series))
-    if (ckpt_series not in self._writes and not multihost.is_multiprocess()
-        and newest_failed.isdigit() and steps_now and steps_now[-1] > int(newest_failed)):
-      # Processes reading together would first have to agree on going on.
-      raise checkpointing.CheckpointSuperseded(
-          f"{failures[0][0]} did not load ({failures[0][1]}) and step {steps_now[-1]} has been "
-          "saved since, rotating older ones out")
+    # A reader of a series another job writes (alone: processes reading
+    # together would first have to agree on going on) may have lost a race
+    # with that job's rotation of old checkpoints.
+    if ckpt_series not in self._writes and not multihost.is_multiprocess():
+      newest_failed = os.path.basename(failures[0][0])
+      steps_now = _steps(self._read_series_dir(ckpt_series))
+      if newest_failed.isdigit() and steps_now and steps_now[-1] > int(newest_failed):
+        raise checkpointing.CheckpointSuperseded(
+            f"{failures[0][0]} did not load ({failures[0][1]}) and step {steps_now[-1]} has "
+            "been saved since, rotating older ones out")
     if fresh_run and ckpt_series == "latest" and self._restore_path:
       raise CheckpointRefused(f"config.restore_path={self._restore_path!r}: {failures[0][1]}")
     raise CheckpointRefused(
