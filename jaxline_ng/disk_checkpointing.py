@@ -438,13 +438,13 @@ def _steps(series_dir: str) -> list[int]:
 
 
 def _processes(together: bool) -> ocp.options.MultiprocessingOptions:
-  """The processes an orbax save or restore involves: this one alone, or every one `together`.
+  """The processes an orbax checkpointer involves: this one alone, or every one `together`.
 
   Orbax's default (every process, no names) synchronises with a device
   collective, which a training thread's collectives can block or interleave
   with (in `train_eval_multithreaded` a restore timed out). Alone, there is
-  no barrier; naming the processes makes orbax wait at the distributed
-  runtime's barrier instead.
+  no barrier; naming the processes makes orbax's saves wait at the
+  distributed runtime's barrier instead.
   """
   me = jax.process_index()
   return ocp.options.MultiprocessingOptions(
@@ -452,13 +452,19 @@ def _processes(together: bool) -> ocp.options.MultiprocessingOptions:
       active_processes=set(range(jax.process_count())) if together else {me})
 
 
-def _reader(together: bool) -> ocp.Checkpointer:
-  """An orbax reader for this process alone, or for every process `together`."""
+def _reader() -> ocp.Checkpointer:
+  """An orbax reader for this process alone, whatever the arrays' sharding.
+
+  Orbax's barriers for processes reading together would wait for a process
+  that failed before reaching them (a checkpoint rotated out under it), so
+  processes reading arrays sharded over them each read their part alone and
+  then agree on the outcome (`_load`).
+  """
   return ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
-                          multiprocessing_options=_processes(together))
+                          multiprocessing_options=_processes(together=False))
 
 
-def _read_meta(path: str, together: bool = False) -> dict[str, Any]:
+def _read_meta(path: str) -> dict[str, Any]:
   """The checked JSON of a step directory; raises UnusableCheckpoint (or
   CheckpointRefused for another format) saying what is wrong."""
   if os.path.isdir(os.path.join(path, "arrays")) and not os.path.isdir(
@@ -468,7 +474,7 @@ def _read_meta(path: str, together: bool = False) -> dict[str, Any]:
         f"numbered); this version reads format {FORMAT} (a named orbax tree in state/). Resume "
         "it with the jaxline_ng that wrote it, or start a fresh run from its weights")
   try:
-    meta = _reader(together).restore(
+    meta = _reader().restore(
         os.path.abspath(path), args=ocp.args.Composite(**{_META_ITEM: ocp.args.JsonRestore()})
     )[_META_ITEM]
   except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
@@ -549,9 +555,9 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
       f"{None if live_treedef is None else live_treedef.num_leaves}")
 
 
-def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training: bool):
+def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
   """`_load` up to the checksums: what every process does on its own."""
-  meta = _read_meta(path, together)
+  meta = _read_meta(path)
   live = _named_entries(live_nest)
   wants_module = "experiment_module" in live_nest
   entries = meta["entries"]
@@ -615,7 +621,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], together: bool, training:
   restored: dict[str, Any] = {}
   if targets:
     try:
-      restored = _reader(together).restore(
+      restored = _reader().restore(
           os.path.abspath(path), args=ocp.args.Composite(**{_STATE_ITEM: ocp.args.PyTreeRestore(
               item=targets, restore_args=restore_args, partial_restore=True)}))[_STATE_ITEM]
     except Exception as e:  # pylint: disable=broad-except  (any damage makes it unusable)
@@ -651,21 +657,20 @@ def _one_line_reason(error: BaseException) -> str:
   return "; caused by ".join(parts)
 
 
-def _load(path: str, live_nest: dict[str, Any], together: bool = False,
+def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
           training: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
   """Reads and checks a step directory: `(snapshot, its topology)`.
 
   Arrays are restored onto the shardings of the live arrays they replace
   where those span several devices of a mesh, else as host arrays; entries
   of the experiment are read only when `live_nest` has an experiment.
-  `agree(read_ok)` tells whether every process read its part: verifying the
-  checksums of sharded arrays is a collective, which all processes must
-  enter or none.
+  With `agree` (arrays sharded over the processes, each reading its part),
+  the processes learn whether every one read its part before verifying the
+  checksums: that is a collective, which all must enter or none.
   """
   error = None
   try:
-    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, together,
-                                                             training)
+    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, training)
     values = [at(tree_path) for tree_path, *_ in expected]
   except CheckpointRefused:
     raise
@@ -673,7 +678,7 @@ def _load(path: str, live_nest: dict[str, Any], together: bool = False,
     error = e
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
     error = UnusableCheckpoint(f"its metadata is malformed ({type(e).__name__}: {e})")
-  everywhere = (error is None if not together
+  everywhere = (error is None if not agree
                 else int(multihost.all_reduce_sum(np.int32(error is not None))) == 0)
   if error is not None:
     raise error
@@ -938,7 +943,7 @@ class DiskCheckpointer:
     return candidates[0] if candidates else None
 
   def restore(self, ckpt_series: str, path: str | None = None) -> None:
-    """Loads the newest usable checkpoint of `ckpt_series`, or the newest up to `path`.
+    """Loads the newest usable checkpoint of `ckpt_series`, or the one at `path`.
 
     Newer ones that fail are reported and, by the process that writes the
     series, moved aside once an older one has loaded. Raises
@@ -948,11 +953,10 @@ class DiskCheckpointer:
       ckpt_series: the series, e.g. "latest".
       path: a step directory `restore_path` returned: the processes of a
         multi-process evaluation restore the one the chief chose, even when
-        a newer one has landed since.
+        a newer one has landed since, and no other (the older ones each
+        lists can differ while another job rotates them out).
     """
-    candidates = self._candidates(ckpt_series)
-    if path in candidates:
-      candidates = candidates[candidates.index(path):]
+    candidates = [path] if path is not None else self._candidates(ckpt_series)
     state = self.get_experiment_state(ckpt_series)
     fresh_run = not _steps(self._read_series_dir(ckpt_series))
     live = checkpointing.snapshotted_items(state)
@@ -963,7 +967,7 @@ class DiskCheckpointer:
     failures = []
     for candidate in candidates:
       try:
-        nest, topology = _load(candidate, live, together=self.every_process_saves,
+        nest, topology = _load(candidate, live, agree=self.every_process_saves,
                                training=training)
       except CheckpointRefused:
         raise
@@ -984,10 +988,10 @@ class DiskCheckpointer:
       return
     if not failures:
       raise CheckpointRefused(f"no checkpoint for series {ckpt_series!r} in {self._read_root}")
-    # A reader of a series another job writes (alone: processes reading
-    # together would first have to agree on going on) may have lost a race
-    # with that job's rotation of old checkpoints.
-    if ckpt_series not in self._writes and not multihost.is_multiprocess():
+    # A reader of a series another job writes may have lost a race with that
+    # job's rotation of old checkpoints: alone, or as one of the processes of
+    # an evaluation trying the chief's choice (they agree on going on).
+    if ckpt_series not in self._writes and (path is not None or not multihost.is_multiprocess()):
       newest_failed = os.path.basename(failures[0][0])
       steps_now = _steps(self._read_series_dir(ckpt_series))
       if newest_failed.isdigit() and steps_now and steps_now[-1] > int(newest_failed):

@@ -395,6 +395,20 @@ def key_value_wait(key: str, give_up: Callable[[], bool]) -> str | None:
   return None
 
 
+def every_process_value(name: str, value: str) -> list[str] | None:
+  """Publishes this process's `value` for `name` (a `run_key`) and returns
+  every process's, in process order; None once a process published a failure."""
+  key_value_set(run_key(f"{name}/{jax.process_index()}"), value)
+  values = []
+  for process in range(jax.process_count()):
+    got = key_value_wait(run_key(f"{name}/{process}"),
+                         give_up=lambda: published_failure() is not None)
+    if got is None:
+      return None
+    values.append(got)
+  return values
+
+
 def key_value_try_get(key: str) -> str | None:
   """The value of `key` if some process wrote it, else None; one store read."""
   try:

@@ -596,6 +596,12 @@ def evaluate(experiment_class, config, checkpointer, writer,
         except checkpointing.CheckpointSuperseded as e:
           logging.warning("[jaxline_ng] Not evaluated: %s; going on to the newer one.", e)
           superseded = True
+      step_here = None if superseded else state.global_step
+      if follow_chief and not _restored_by_all(decision, step_here):
+        if not superseded:
+          logging.warning("[jaxline_ng] Not evaluated: another process could not restore %s; "
+                          "going on to the newer one.", path)
+        superseded = True
       if superseded or state.global_step <= evaluated_step:
         continue
     else:  # "initial"
@@ -708,10 +714,10 @@ def _wait_for_stop(secs: float) -> None:
 def _agreed(decision: int, choose) -> tuple[str, str | None]:
   """The chief's `choose()` for the `decision`-th wait, on every process.
 
-  The processes of a multi-process evaluation restore together (orbax's
-  restore of arrays sharded over them is collective) and evaluate together
-  (their `evaluate` may be), so they must take the same checkpoints in the
-  same order: the chief chooses and publishes its choice through the
+  The processes of a multi-process evaluation restore together (checking
+  arrays sharded over them is a collective) and evaluate together (their
+  `evaluate` may be), so they must take the same checkpoints in the same
+  order: the chief chooses and publishes its choice through the
   distributed runtime's key-value store; the others wait for it there,
   passing on any stop request they get meanwhile.
   """
@@ -727,6 +733,16 @@ def _agreed(decision: int, choose) -> tuple[str, str | None]:
 
   action, path = json.loads(multihost.key_value_wait(key, give_up=pass_on_stop_request))
   return action, path
+
+
+def _restored_by_all(decision: int, step: int | None) -> bool:
+  """Whether every process of a multi-process evaluation restored the
+  `decision`-th checkpoint the chief chose, at `step` here (None: this one
+  lost a race with the trainer's rotation of checkpoints). If one did not,
+  all go on to the next choice rather than evaluate (and meet in collectives)
+  apart."""
+  steps = multihost.every_process_value(f"eval_restored/{decision}", json.dumps(step))
+  return step is not None and steps is not None and len(set(steps)) == 1
 
 
 # Written by the first process of a multi-process evaluation asked to stop.

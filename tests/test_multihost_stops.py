@@ -35,8 +35,8 @@ PACED = "--config.experiment_kwargs.config.step_sleep_secs=0.01"
 TIMEOUT_SECS = 150
 
 
-def toy(checkpoint_dir, *extra):
-  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
+def toy(checkpoint_dir, *extra, script=TOY):
+  return [sys.executable, script, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
           "--config.checkpointer=disk", f"--config.training_steps={STEPS}", *extra]
 
 
@@ -287,6 +287,22 @@ def test_sigterm_to_one_process_of_a_mesh_eval_job_stops_every_process(tmp_path)
   # Stopped on request: 75 in every mode and every process.
   assert launch.finish() == 75, launch.output
   assert launch.exit_codes() == [75, 75], launch.output
+
+
+def test_a_mesh_eval_job_goes_on_together_when_a_process_loses_a_race_with_rotation(tmp_path):
+  # Process 1 finds the chief's choice rotated out just before reading it;
+  # process 0 reads its shards or not. Both go on to the newer checkpoint
+  # instead of one waiting for the other in a barrier or collective.
+  trained = run(toy(tmp_path, "--config.training_steps=20", *MESH))
+  assert trained.process.returncode == 0, trained.output
+  launch = run(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=20", *MESH,
+                   script=os.path.join("tests", "experiments", "toy_loses_a_race.py")))
+  assert launch.exit_codes() == [0, 0], launch.output
+  launch.wait_for(r"^\[p1\] .*Not evaluated: .*going on")
+  for index in range(2):
+    evaluated = [line for line in launch.lines
+                 if re.search(rf"^\[p{index}\] .*eval step 20:", line)]
+    assert len(evaluated) == 1, launch.output
 
 
 def test_train_eval_multithreaded_over_processes_is_refused_naming_the_eval_job(tmp_path):

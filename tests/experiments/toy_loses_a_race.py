@@ -1,0 +1,36 @@
+"""The toy experiment, whose process 1 loses a race with checkpoint rotation once.
+
+At its first restore of a checkpoint the chief chose, process 1 finds that
+checkpoint gone: it moves it to a newer step's name before reading, as a
+training job rotating its checkpoints out (`max_checkpoints_to_keep`) does
+between the chief's choice and the others' reads, once the others had a
+second to read it.
+"""
+
+import functools
+import os
+import time
+
+import jax
+from absl import app, flags
+
+from jaxline_ng import disk_checkpointing, platform
+from tests.experiments import toy
+
+
+class LosesTheFirstRace(disk_checkpointing.DiskCheckpointer):
+
+  lost = False
+
+  def restore(self, ckpt_series, path=None):
+    if path is not None and jax.process_index() == 1 and not self.lost:
+      self.lost = True
+      time.sleep(1)
+      series_dir, step = os.path.split(path)
+      os.rename(path, os.path.join(series_dir, str(int(step) + 1)))
+    super().restore(ckpt_series, path=path)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(functools.partial(platform.main, toy.Experiment, checkpointer_factory=LosesTheFirstRace))
