@@ -45,14 +45,34 @@ class ExperimentState:
   `experiment_module` (the experiment); on the `best` series also
   `best_eval_metric_value`. Only attributes that were set exist, so a
   snapshot holds exactly what the loops put there, as jaxline's ConfigDict
-  state did; `name in state` works as it did there.
+  state did. Checkpointers written for jaxline read and set entries by name
+  too (`state[name] = value` in its restore), so those work as there.
   """
 
   def __contains__(self, name: str) -> bool:
     return name in vars(self)
 
+  def __getitem__(self, name: str) -> Any:
+    try:
+      return vars(self)[name]
+    except KeyError:
+      raise KeyError(f"the experiment state has no entry {name!r}; it has "
+                     f"{sorted(vars(self))}") from None
+
+  def __setitem__(self, name: str, value: Any) -> None:
+    setattr(self, name, value)
+
+  def get(self, name: str, default: Any = None) -> Any:
+    return vars(self).get(name, default)
+
+  def keys(self):
+    return vars(self).keys()
+
   def items(self):
     return vars(self).items()
+
+  def to_dict(self) -> dict[str, Any]:
+    return dict(vars(self))
 
 
 def snapshotted_items(state) -> dict[str, Any]:

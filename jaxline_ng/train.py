@@ -267,7 +267,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     del step, scalars
     if saved_at[0] == state.global_step:
       return  # The final save right after a periodic one at the same step.
-    if "checkpoint" in actions:
+    if "checkpoint" in actions and _holds_run_facts(state):
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if durable:
       _flush_metrics(actions.get("write"), writer, config.log_all_train_data)
@@ -343,7 +343,8 @@ def train(experiment_class, config, checkpointer, writer,
       checkpointer.restore("latest")
     _check_resumed_config(getattr(state, "run_config", None), run_config,
                           config.strict_resume_config)
-  state.run_config = run_config
+  if _holds_run_facts(state):
+    state.run_config = run_config
   if writer is not None and hasattr(writer, "resume"):
     # Rows an interrupted run wrote past its last checkpoint are redone from
     # here: the old ones go, in metrics.jsonl and TensorBoard alike (an
@@ -415,6 +416,17 @@ def train(experiment_class, config, checkpointer, writer,
     raise preempted
 
 
+def _holds_run_facts(state) -> bool:
+  """Whether the `latest` state keeps jaxline_ng's entries beside jaxline's:
+  the run's config (compared on resume) and when the last periodic save ran.
+
+  Only jaxline_ng's own state does: a checkpointer written for jaxline hands
+  out a ConfigDict holding jaxline's entries alone, which it may lock or save
+  with a library that refuses a string or a dict of tuples.
+  """
+  return isinstance(state, checkpointing.ExperimentState)
+
+
 def _every_process_saves(checkpointer) -> bool:
   """Whether every process takes part in each save (a disk checkpoint of arrays
   sharded over several processes: each writes its own shards)."""
@@ -422,23 +434,33 @@ def _every_process_saves(checkpointer) -> bool:
 
 
 def _check_saves_agree(config, checkpointer) -> None:
-  """Refuses periodic saves by seconds where every process takes part in a save.
+  """Refuses periodic saves by seconds where every process saves.
 
-  Each process would read its own clock and so save after another step,
-  while the collective save needs every process at the same one: the
-  processes would abort at the first periodic save. jaxline refused
-  seconds for saves on every host likewise (`base_config.check_constraints`).
+  Each process would read its own clock and so save after another step.
+  Where every process writes its shards of one save, the processes would
+  abort at the first periodic save; where each saves its own with a
+  checkpointer that is not jaxline_ng's (`train_checkpoint_all_hosts`), each
+  would resume from another step. jaxline refused seconds for saves on every
+  host (`base_config.check_constraints`); jaxline_ng's own checkpointers
+  resume every process from the chief's saves.
   """
   checkpoint_type = _interval_type(config, "checkpoint_interval_type")
-  if (_every_process_saves(checkpointer) and checkpoint_type != "steps"
-      and config.save_checkpoint_interval > 0):
-    culprit = ("checkpoint_interval_type" if config.checkpoint_interval_type
-               else "interval_type")
-    raise base_config.ConfigError(
-        f"config.{culprit}={checkpoint_type!r} times saves by each process's own clock, but "
-        "every process of this multi-process mesh run writes its shards of each save, so all "
-        "must save after the same step: set config.checkpoint_interval_type='steps' and "
-        "config.save_checkpoint_interval to a number of steps")
+  if checkpoint_type == "steps" or config.save_checkpoint_interval <= 0:
+    return
+  if _every_process_saves(checkpointer):
+    why = ("every process of this multi-process mesh run writes its shards of each save, so "
+           "all must save after the same step")
+  elif (multihost.is_multiprocess() and config.train_checkpoint_all_hosts
+        and not _restore_is_ours(checkpointer)):
+    why = (f"with config.train_checkpoint_all_hosts=True each process saves its own, and "
+           f"{type(checkpointer).__name__} would resume each from another step")
+  else:
+    return
+  culprit = "checkpoint_interval_type" if config.checkpoint_interval_type else "interval_type"
+  raise base_config.ConfigError(
+      f"config.{culprit}={checkpoint_type!r} times saves by each process's own clock, but "
+      f"{why}: set config.checkpoint_interval_type='steps' and config.save_checkpoint_interval "
+      "to a number of steps")
 
 
 def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None:
@@ -550,6 +572,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
   state = checkpointer.get_experiment_state("latest")
   state.global_step = 0
   state.experiment_module = experiment
+  if not _restore_is_ours(checkpointer):
+    # As jaxline: a checkpointer written for it restores the entries the
+    # state holds, and the best state takes the key chain from there.
+    state.train_step_rng = None
   best = None
   if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts
                                         or _every_process_saves(checkpointer)):
