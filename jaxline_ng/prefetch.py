@@ -17,13 +17,16 @@ def py_prefetch(iterable_function: Callable[[], Iterable[Any]], buffer_size: int
   """Iterates `iterable_function()` on a background thread, `buffer_size` ahead.
 
   Python-side input work (decoding, augmentation in numpy) then overlaps with
-  the training step. An exception raised by the producer is raised again by
-  the consumer's `next()`, with its original traceback. `thread_name` names
-  the producing thread.
+  the training step. As in jaxline, `buffer_size` counts the element the
+  consumer holds, so it must be at least 2 (a ValueError at the first
+  `next()`). An exception raised by the producer is raised again by the
+  consumer's `next()`, with its original traceback. `thread_name` names the
+  producing thread.
   """
-  if buffer_size < 1:
-    raise ValueError(f"py_prefetch: buffer_size={buffer_size} must be >= 1")
-  buffer: queue.Queue = queue.Queue(maxsize=buffer_size)
+  if buffer_size <= 1:
+    raise ValueError(f"py_prefetch: buffer_size={buffer_size} must be > 1 (it counts the "
+                     "element in use, as in jaxline)")
+  buffer: queue.Queue = queue.Queue(maxsize=buffer_size - 1)
   stop = threading.Event()
 
   def produce():
@@ -72,7 +75,7 @@ def double_buffer(ds: Iterable[Any]) -> Iterator[Any]:
 
 
 def double_buffer_on_gpu(ds: Iterable[Any]) -> Iterator[Any]:
-  """`double_buffer` on GPU, where transfers are worth overlapping; `ds` elsewhere."""
+  """`double_buffer` on GPU, where transfers are worth overlapping; `ds` itself elsewhere."""
   if jax.default_backend() == "gpu":
     return double_buffer(ds)
-  return iter(ds)
+  return ds

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import threading
+import time
 from unittest import mock
 
 import jax
@@ -45,6 +46,31 @@ def test_py_prefetch_yields_in_order_and_reraises():
   assert next(batches) == 1
   with pytest.raises(ValueError, match="bad batch"):
     next(batches)
+
+
+def test_py_prefetch_counts_the_element_in_use_as_jaxline_does():
+  produced = []
+
+  def numbers():
+    for i in range(10):
+      produced.append(i)
+      yield i
+
+  batches = utils.py_prefetch(numbers, buffer_size=3)
+  assert next(batches) == 0
+  deadline = time.monotonic() + 10
+  while len(produced) < 4 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.1)  # A producer allowed further would show it by now.
+  # The element in use and 2 queued; the producer holds the next one, waiting to queue it.
+  assert produced == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="buffer_size=1 must be > 1"):
+    next(utils.py_prefetch(numbers, buffer_size=1))
+
+
+def test_double_buffer_on_gpu_hands_back_the_dataset_itself_elsewhere():
+  batches = [1, 2]
+  assert utils.double_buffer_on_gpu(batches) is batches
 
 
 def test_double_buffer_places_batches_per_device():
