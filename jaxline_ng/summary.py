@@ -86,7 +86,9 @@ def summarize(checkpoint_dir: str) -> list[str]:
       if steps:
         lines.append(f"Checkpoints ({series}): steps {steps} in "
                      f"{os.path.join(checkpoints, series)}")
-  lines.append(f"TensorBoard: tensorboard --logdir {checkpoint_dir}")
+  if any(name.startswith("events.out.tfevents.")
+         for mode in modes for name in os.listdir(os.path.join(checkpoint_dir, mode))):
+    lines.append(f"TensorBoard: tensorboard --logdir {checkpoint_dir}")
   return lines
 
 

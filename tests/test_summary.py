@@ -23,7 +23,9 @@ def test_summary_names_logs_checkpoints_and_best_metric(tmp_path):
   assert "Best acc: 0.9500 at step 15" in text
   assert "Checkpoints (latest): steps [20]" in text
   assert "train: 1 logged steps, last step 10: loss=0.5" in text
-  assert f"tensorboard --logdir {tmp_path}" in text
+  assert "tensorboard" not in text  # No event files, nothing to show.
+  (tmp_path / "eval" / "events.out.tfevents.1.host").write_bytes(b"")
+  assert f"TensorBoard: tensorboard --logdir {tmp_path}" in summary.summarize(str(tmp_path))
 
 
 def test_summary_of_a_directory_without_a_run_fails_in_one_line(tmp_path, capsys):
