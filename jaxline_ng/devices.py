@@ -191,6 +191,10 @@ def get_first(xs: Any) -> Any:
   by_device: dict[Any, list[tuple[int, jax.Array]]] = {}
   for i, leaf in enumerate(leaves):
     if isinstance(leaf, jax.Array):
+      if leaf.ndim == 0:
+        raise ValueError(
+            f"get_first: a 0-d {leaf.dtype} array has no device axis to take the first of "
+            "(in mesh mode global arrays have none: use the value itself)")
       shard = _first_shard(leaf)
       by_device.setdefault(frozenset(shard.sharding.device_set), []).append((i, shard))
   for group in by_device.values():

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -32,6 +33,12 @@ def test_get_first_reads_one_shard_and_survives_donation():
 
 def test_get_first_on_numpy_indexes_like_jaxline():
   assert utils.get_first(np.array([5, 6])) == 5
+
+
+def test_get_first_of_a_0d_array_names_the_missing_device_axis():
+  # What a step ported to mesh mode hits with `utils.get_first(loss)`.
+  with pytest.raises(ValueError, match="get_first: a 0-d float32 array has no device axis"):
+    utils.get_first({"loss": jnp.float32(0.5)})
 
 
 def test_replicated_state_feeds_pmap_without_recompiling():
