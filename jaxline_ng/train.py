@@ -235,9 +235,15 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
   actions = {"non_finite_guard": guard}
 
+  # The total and ETA only where `training_steps` ends the run: code written
+  # for jaxline often leaves it at its default and ends in `should_run_step`.
+  module = state.experiment_module
+  ends_at = (config.training_steps if type(module).should_run_step
+             is experiment_lib.AbstractExperiment.should_run_step else None)
+
   def log_progress(step, values):
     guard.observe(step, values)
-    logging.info(_progress_line(step, config.training_steps, values))
+    logging.info(_progress_line(step, ends_at, values))
 
   # With a `secs` interval the first step is logged and written at once. The
   # first rate is measured from here, as jaxline's from the loop's start (so
@@ -387,7 +393,11 @@ def train(experiment_class, config, checkpointer, writer,
       state.experiment_module.train_loop(config, state, actions, writer)
     except preemption.Preempted as e:
       logging.warning("[jaxline_ng] %s: saving and exiting.", e)
-      preemption.consume_stop_request()
+      if threading.current_thread() is threading.main_thread():
+        # Served, so a later run in this program starts afresh. The trainer
+        # of `train_eval_multithreaded` leaves it to the evaluator (the main
+        # thread), which must see it too.
+        preemption.consume_stop_request()
       preempted = e
     for action in periodic_actions:
       action.wait_to_finish()
@@ -838,6 +848,7 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
              stop_waiting=lambda: not trainer.is_alive())
   except preemption.Preempted:
     trainer.join()
+    preemption.consume_stop_request()
     if training_errors:
       raise training_errors[0] from None
     raise

@@ -2,13 +2,23 @@
 
 import json
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxline_ng import base_config, checkpointing, experiment, rng, train, utils, writers
+from jaxline_ng import (
+  base_config,
+  checkpointing,
+  experiment,
+  preemption,
+  rng,
+  train,
+  utils,
+  writers,
+)
 
 
 def make_config(**overrides):
@@ -352,6 +362,50 @@ def test_multithreaded_training_error_stops_evaluation_and_is_raised():
   threading.Thread(target=run, daemon=True).start()
   assert finished.wait(timeout=60), "train_eval_multithreaded hung after a training error"
   assert errors and "boom at step 2" in str(errors[0])
+
+
+class EndsInShouldRunStep(Counting):
+  def should_run_step(self, global_step, config):
+    return global_step < 3
+
+
+@pytest.mark.parametrize("experiment_class, training_steps, progress, eta", [
+    (Counting, 5, "step 5/5 (100.0%)", True),
+    (EndsInShouldRunStep, 10000, "step 3,", False)])  # jaxline's default, never reached.
+def test_progress_shows_a_total_only_where_training_steps_ends_the_run(
+    experiment_class, training_steps, progress, eta, caplog):
+  config = make_config(training_steps=training_steps, log_tensors_interval=1)
+  with caplog.at_level("INFO"):
+    train.train(experiment_class, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  last = [line for line in caplog.messages if line.startswith("[jaxline_ng] step ")][-1]
+  assert last.startswith(f"[jaxline_ng] {progress}") and ("ETA" in last) == eta, last
+
+
+class StopsAtFirstEvaluation(Counting):
+  evaluated = []
+
+  def evaluate(self, global_step, rng, writer):
+    step = int(utils.get_first(global_step))
+    StopsAtFirstEvaluation.evaluated.append(step)
+    if len(StopsAtFirstEvaluation.evaluated) == 1:
+      preemption.request_stop("a test")
+      # An evaluation takes minutes: the trainer stops and saves meanwhile.
+      deadline = time.monotonic() + 30
+      latest = utils.GLOBAL_CHECKPOINT_DICT["latest"].history
+      while latest[-1].pickle_nest.global_step <= step and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return super().evaluate(global_step, rng, writer)
+
+
+def test_multithreaded_evaluator_stops_after_the_evaluation_in_progress():
+  StopsAtFirstEvaluation.evaluated = []
+  config = make_config(training_steps=10**9, save_checkpoint_interval=5)
+  with pytest.raises(preemption.Preempted):
+    train.train_eval_multithreaded(StopsAtFirstEvaluation, config,
+                                   checkpointing.InMemoryCheckpointer(config, "train"), None)
+  # Not the checkpoint the stopped trainer saved next: it is for the rerun.
+  assert len(StopsAtFirstEvaluation.evaluated) == 1
+  assert not preemption.stop_requested()  # Served: a later run starts afresh.
 
 
 class ModeRecording(Counting):
