@@ -98,12 +98,34 @@ def same_value(a: Any, b: Any) -> bool:
   return json.dumps(a) == json.dumps(b)
 
 
+# A value longer than this (a dataclass's repr is thousands of characters) is
+# shown from a little before to a little after where the two differ.
+_LONGEST_SHOWN = 100
+_CONTEXT = 30
+
+
+def _around_difference(before: str, after: str) -> tuple[str, str]:
+  if max(len(before), len(after)) <= _LONGEST_SHOWN:
+    return before, after
+  start = len(os.path.commonprefix([before, after]))
+  same_end = min(len(os.path.commonprefix([before[::-1], after[::-1]])),
+                 min(len(before), len(after)) - start)
+
+  def cut(text: str) -> str:
+    low, high = max(0, start - _CONTEXT), min(len(text), len(text) - same_end + _CONTEXT)
+    return ("…" if low else "") + text[low:high] + ("…" if high < len(text) else "")
+
+  return cut(before), cut(after)
+
+
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   """Lines `key: saved -> current` for every key whose value differs (but the run's location
-  and `strict_resume_config`)."""
+  and `strict_resume_config`); long strings are cut to where they differ."""
   lines = []
   for key in sorted((set(saved) | set(current)) - _NOT_COMPARED):
     before, after = saved.get(key, "<absent>"), current.get(key, "<absent>")
     if not same_value(before, after):
+      if isinstance(before, str) and isinstance(after, str):
+        before, after = _around_difference(before, after)
       lines.append(f"{key}: {before!r} -> {after!r}")
   return lines

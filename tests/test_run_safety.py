@@ -353,3 +353,15 @@ def test_equal_sets_and_nans_are_no_difference():
   changed = run_record.flat_config(make_config(splits={1, 8}, clip=1.0))
   assert [line.split(":")[0] for line in run_record.differences(before, changed)] == [
       "clip", "splits"]
+
+
+def test_a_long_value_that_differs_is_shown_where_it_differs():
+  # jax_privacy's config holds a dataclass, whose repr runs to thousands of
+  # characters; its dataset seed is drawn when the config is built.
+  def config_repr(seed):
+    return f"ExperimentConfig(optimizer={'x' * 2000}, data=Data(seed={seed}, {'y' * 2000}))"
+
+  line, = run_record.differences({"experiment_kwargs.config": config_repr(1287556841)},
+                                 {"experiment_kwargs.config": config_repr(3467877883)})
+  assert "seed=1287556841" in line and "seed=3467877883" in line and len(line) < 300, line
+  assert line.startswith("experiment_kwargs.config: '…")
