@@ -140,6 +140,13 @@ def initialize_if_requested() -> bool:
                                num_processes=num_processes, process_id=_PROCESS_ID.value,
                                initialization_timeout=_INITIALIZATION_TIMEOUT_SECS)
   except (RuntimeError, ValueError) as e:
+    if "before any JAX" in str(e):
+      # jaxline never started the runtime, so code written for it may use
+      # JAX first (build the experiment, count devices) and still run there.
+      raise MultihostError(
+          "this program used JAX before platform.main, which must start JAX's distributed "
+          "runtime first: call jax.distributed.initialize() at the top of main, or move the "
+          "JAX calls after platform.main starts") from None
     raise MultihostError(f"jax.distributed.initialize failed: {e}") from None
   logging.info("[jaxline_ng] Process %d of %d; %d local devices of %d.",
                jax.process_index(), jax.process_count(), jax.local_device_count(),

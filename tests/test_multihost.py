@@ -203,6 +203,23 @@ def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
   assert result.stdout.strip().endswith("True")
 
 
+def test_a_program_that_used_jax_before_platform_main_is_told_what_to_do():
+  # jaxline never started JAX's distributed runtime; jax_privacy builds its
+  # experiment, with JAX, before calling platform.main.
+  code = ("import sys\nimport jax\nfrom absl import flags\nfrom jaxline_ng import multihost\n"
+          "flags.FLAGS(sys.argv)\njax.local_device_count()\n"
+          "try:\n  multihost.initialize_if_requested()\n"
+          "except multihost.MultihostError as e:\n  print('error:', e, e.one_line)\n")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+  result = subprocess.run(
+      [sys.executable, "-c", code, "--jaxline_num_processes=2", "--jaxline_process_id=1",
+       "--jaxline_coordinator_address=127.0.0.1:1"], capture_output=True, text=True, timeout=60,
+      env=env)
+  assert result.stdout.startswith("error: this program used JAX before platform.main"), (
+      result.stdout + result.stderr[-2000:])
+  assert "jax.distributed.initialize()" in result.stdout
+
+
 def test_process_0_on_a_port_another_coordinator_holds_stops_naming_the_address():
   """JAX's coordination service listens with SO_REUSEPORT: a second one on a taken port
   (a stale process 0, two processes given id 0) starts silently and the run hangs."""
