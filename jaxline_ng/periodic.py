@@ -33,6 +33,11 @@ from jaxline_ng import background
 
 # The shortest time between two hand-overs of due steps to a background thread.
 _HANDOVER_SECS = 0.1
+# How many due steps the background thread may fall behind by before the loop
+# waits for it. A writer slower than training (a slow network disk) then slows
+# training, instead of growing memory without bound and, at a stop, holding
+# up the save for as long as the backlog takes to write.
+_MOST_BEHIND = 1000
 
 
 def make_async(thread_name_prefix: str = ""):
@@ -177,10 +182,14 @@ class PeriodicAction:
       # A take still queued takes these too. One whose future is done yet
       # still marked queued was skipped after an earlier failure: the call
       # below raises that failure.
-      if self._take_queued and not self._in_progress.done():
-        return
-      self._take_queued = True
-    self._in_progress = self._act_in_background()
+      queued = self._in_progress if self._take_queued and not self._in_progress.done() else None
+      behind = len(self._due)
+      if queued is None:
+        self._take_queued = True
+    if queued is None:
+      self._in_progress = self._act_in_background()
+    elif behind > _MOST_BEHIND:
+      concurrent.futures.wait([queued])  # Its take includes these.
 
   def _take_due(self) -> None:
     """On the background thread: waits out the hand-over interval (unless

@@ -143,6 +143,28 @@ def test_async_steps_due_within_a_handover_interval_go_together():
   assert len(batches) <= 3, batches
 
 
+def test_a_slow_async_action_holds_the_loop_back_rather_than_fall_behind(monkeypatch):
+  # A writer slower than training: its backlog grew without bound (memory, and
+  # the flush before a stop's save took minutes).
+  monkeypatch.setattr(periodic, "_MOST_BEHIND", 20)
+  called_up_to = [0]
+  behind = []
+
+  def slow(step, scalars):
+    del scalars
+    behind.append(called_up_to[0] - step)
+    time.sleep(0.002)
+
+  action = periodic.PeriodicAction(slow, "steps", 1)
+  for step in range(1, 301):
+    called_up_to[0] = step
+    action(float(step), step, {})
+  action.wait_to_finish()
+  assert len(behind) == 300
+  # One take in progress and at most the allowed backlog behind it.
+  assert max(behind) <= 2 * 20 + 1, max(behind)
+
+
 def test_async_due_steps_are_acted_on_without_a_later_call():
   """As jaxline's: a loop that stops calling (it ended, or waits on a slow step)
   still gets its due steps acted on. They used to wait for the next call."""
