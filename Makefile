@@ -21,7 +21,7 @@ install: $(STAMP)
 
 # One pytest worker per core: most tests wait on processes they launched.
 test: $(STAMP)
-	$(VENV_PY) -m pytest -n auto --dist worksteal tests
+	$(VENV_PY) -m pytest -n auto --dist worksteal --durations=10 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
