@@ -888,7 +888,8 @@ class DiskCheckpointer:
         try:
           validate()
         except Exception:  # pylint: disable=broad-except  (the guard reports its own failure)
-          logging.warning("[jaxline_ng] Not saving %s/%d: the non-finite guard vetoed it.",
+          logging.warning("[jaxline_ng] Not saving %s/%d: the checks before saving it failed "
+                          "(see above).",
                           ckpt_series, step)
           return
       latest = manager.latest_step()

@@ -33,11 +33,13 @@ from jaxline_ng import background
 
 # The shortest time between two hand-overs of due steps to a background thread.
 _HANDOVER_SECS = 0.1
-# How many due steps the background thread may fall behind by before the loop
-# waits for it. A writer slower than training (a slow network disk) then slows
-# training, instead of growing memory without bound and, at a stop, holding
-# up the save for as long as the backlog takes to write.
+# How far the background thread may fall behind before the loop waits for it:
+# this many due steps, or fewer that its measured pace takes this long to act
+# on. A writer slower than training (a slow network disk) then slows training,
+# instead of growing memory without bound and, at a stop, holding up the save
+# for as long as the backlog takes to write.
 _MOST_BEHIND = 1000
+_MOST_BEHIND_SECS = 1.0
 
 
 def make_async(thread_name_prefix: str = ""):
@@ -141,6 +143,7 @@ class PeriodicAction:
     self._lock = threading.Lock()
     self._take_queued = False
     self._taken_at = -math.inf  # time.monotonic() of the last take.
+    self._secs_per_step = 0.0  # How long the last take took per due step.
     self._hurry = threading.Event()  # Set while `wait_to_finish` waits: take at once.
     self._in_progress: concurrent.futures.Future | None = None
     self._run_async = run_async
@@ -188,7 +191,7 @@ class PeriodicAction:
         self._take_queued = True
     if queued is None:
       self._in_progress = self._act_in_background()
-    elif behind > _MOST_BEHIND:
+    elif behind > min(_MOST_BEHIND, _MOST_BEHIND_SECS / max(self._secs_per_step, 1e-9)):
       concurrent.futures.wait([queued])  # Its take includes these.
 
   def _take_due(self) -> None:
@@ -208,8 +211,13 @@ class PeriodicAction:
   def _act_on(self, due: list[tuple[int, float | None, Any]]) -> None:
     """Copies the due steps' scalars to the host and calls `fn` for each."""
     host_values = self._to_host([values for _, _, values in due])
+    # The action's own pace, the wait for the devices left out: a slow step
+    # is no reason to hold the loop back.
+    started = time.monotonic()
     for (step, steps_per_sec, _), values in zip(due, host_values):
       self._apply_fn(step, steps_per_sec, values)
+    if due:
+      self._secs_per_step = (time.monotonic() - started) / len(due)
 
   def _apply_fn(self, step: int, steps_per_sec: float | None, scalars: Any) -> None:
     """Acts on one due step, its scalars on the host (jaxline's hook)."""

@@ -264,6 +264,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
         logging_growth_ratios=growth)
 
   saved_at = [None]
+  keeps_run_facts = _keeps_run_facts(checkpointer, state)
   # jaxline_ng's checkpointers run the guard on their save worker (waiting for
   # the step there, not here); a user's checkpointer gets a checked state.
   validates = "validate" in inspect.signature(checkpointer.save).parameters
@@ -273,7 +274,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     del step, scalars
     if saved_at[0] == state.global_step:
       return  # The final save right after a periodic one at the same step.
-    if "checkpoint" in actions and _holds_run_facts(state):
+    if "checkpoint" in actions and keeps_run_facts:
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if durable:
       _flush_metrics(actions.get("write"), writer, config.log_all_train_data)
@@ -349,7 +350,7 @@ def train(experiment_class, config, checkpointer, writer,
       checkpointer.restore("latest")
     _check_resumed_config(getattr(state, "run_config", None), run_config,
                           config.strict_resume_config)
-  if _holds_run_facts(state):
+  if _keeps_run_facts(checkpointer, state):
     state.run_config = run_config
   if writer is not None and hasattr(writer, "resume"):
     # Rows an interrupted run wrote past its last checkpoint are redone from
@@ -407,7 +408,14 @@ def train(experiment_class, config, checkpointer, writer,
       with experiment_lib.log_activity("final checkpoint"):
         save_latest()
   except BaseException as error:
-    # Saves made before the error still land (the guard vetoes any it covers).
+    # The rows of the steps run are written before the writer closes (one
+    # closed under a queued write raised a second, misleading error), and
+    # saves made before the error still land (the guard vetoes any it covers).
+    for action in own_actions:
+      try:
+        action.wait_to_finish()
+      except Exception:  # pylint: disable=broad-except  (raised or reported already)
+        pass
     try:
       checkpointer.wait_for_checkpointing_to_finish()
     except Exception as pending:  # pylint: disable=broad-except  (the loop's error matters more)
@@ -426,15 +434,18 @@ def train(experiment_class, config, checkpointer, writer,
     raise preempted
 
 
-def _holds_run_facts(state) -> bool:
+def _keeps_run_facts(checkpointer, state) -> bool:
   """Whether the `latest` state keeps jaxline_ng's entries beside jaxline's:
   the run's config (compared on resume) and when the last periodic save ran.
 
-  Only jaxline_ng's own state does: a checkpointer written for jaxline hands
-  out a ConfigDict holding jaxline's entries alone, which it may lock or save
-  with a library that refuses a string or a dict of tuples.
+  Only where jaxline_ng's own checkpointers save and restore its own state:
+  code written for jaxline (a checkpointer of its own, or a subclass of
+  `utils.InMemoryCheckpointer` saving elsewhere too) expects jaxline's
+  entries alone, and may lock them or save them with a library that refuses
+  a string or a dict of tuples.
   """
-  return isinstance(state, checkpointing.ExperimentState)
+  return (isinstance(state, checkpointing.ExperimentState) and _restore_is_ours(checkpointer)
+          and type(checkpointer).save.__module__ in _OUR_CHECKPOINTERS)
 
 
 def _every_process_saves(checkpointer) -> bool:
@@ -488,10 +499,12 @@ def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None
                   "\n  ".join(changed))
 
 
+_OUR_CHECKPOINTERS = ("jaxline_ng.checkpointing", "jaxline_ng.disk_checkpointing")
+
+
 def _restore_is_ours(checkpointer) -> bool:
   """Whether `checkpointer.restore` is jaxline_ng's (not a user's override)."""
-  return type(checkpointer).restore.__module__ in ("jaxline_ng.checkpointing",
-                                                   "jaxline_ng.disk_checkpointing")
+  return type(checkpointer).restore.__module__ in _OUR_CHECKPOINTERS
 
 
 class _BestTracker:

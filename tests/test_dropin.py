@@ -459,6 +459,8 @@ def test_jaxlines_restore_body_resumes_through_an_in_memory_checkpointer_subclas
               resumed, None)
   state = resumed.get_experiment_state("latest")
   assert state["global_step"] == state.global_step == 5
+  with open(saved_to, "rb") as f:  # jaxline's entries alone: it may save them anywhere.
+    assert set(pickle.load(f)) == {"global_step", "train_step_rng", "experiment_module"}
   assert state.experiment_module._count == 5  # pylint: disable=protected-access  (3 restored)
 
 

@@ -165,6 +165,27 @@ def test_a_slow_async_action_holds_the_loop_back_rather_than_fall_behind(monkeyp
   assert max(behind) <= 2 * 20 + 1, max(behind)
 
 
+def test_a_slow_async_action_is_allowed_a_backlog_of_about_a_second(monkeypatch):
+  # At 0.1 s a row, 1,000 rows behind would hold a stop's save up for minutes.
+  monkeypatch.setattr(periodic, "_MOST_BEHIND_SECS", 0.05)
+  called_up_to = [0]
+  behind = []
+
+  def slow(step, scalars):
+    del scalars
+    behind.append(called_up_to[0] - step)
+    time.sleep(0.01)  # A backlog of 0.05 s: 5 steps.
+
+  action = periodic.PeriodicAction(slow, "steps", 1)
+  for step in range(1, 101):
+    called_up_to[0] = step
+    action(float(step), step, {})
+    time.sleep(0.001)  # Steps ten times as fast as the action.
+  action.wait_to_finish()
+  # Once the first take has measured the pace: a take in progress and 5 behind it.
+  assert max(behind[20:]) <= 2 * 5 + 1, behind
+
+
 def test_async_due_steps_are_acted_on_without_a_later_call():
   """As jaxline's: a loop that stops calling (it ended, or waits on a slow step)
   still gets its due steps acted on. They used to wait for the next call."""

@@ -13,6 +13,7 @@ from jaxline_ng import (
   base_config,
   checkpointing,
   experiment,
+  periodic,
   preemption,
   rng,
   train,
@@ -45,6 +46,9 @@ class Recorder:
   def flush(self):
     pass
 
+  def close(self):
+    pass
+
 
 class Counting(experiment.AbstractExperiment):
   """Records what the loop hands to `step`; params count steps on device."""
@@ -65,10 +69,10 @@ class Counting(experiment.AbstractExperiment):
     return {"count": utils.get_first(self._count)}
 
 
-def run_counting(config, writer=None):
+def run_counting(config, writer=None, periodic_actions=()):
   Counting.seen = []
   checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
-  train.train(Counting, config, checkpointer, writer)
+  train.train(Counting, config, checkpointer, writer, periodic_actions)
   return checkpointer
 
 
@@ -379,6 +383,23 @@ def test_progress_shows_a_total_only_where_training_steps_ends_the_run(
     train.train(experiment_class, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
   last = [line for line in caplog.messages if line.startswith("[jaxline_ng] step ")][-1]
   assert last.startswith(f"[jaxline_ng] {progress}") and ("ETA" in last) == eta, last
+
+
+def test_an_action_failing_leaves_the_rows_of_the_steps_run_written_before_the_writer_closes(
+    caplog):
+  def fails(step, scalars):
+    if step == 10:
+      raise RuntimeError("a user's action fails at step 10")
+
+  recorder = Recorder()
+  writer = writers.AsyncWriter(recorder)
+  config = make_config(training_steps=100000, log_train_data_interval=1)
+  with pytest.raises(RuntimeError, match="fails at step 10"):
+    run_counting(config, writer, [periodic.PeriodicAction(fails, "steps", 1)])
+  writer.close()  # As the platform does next.
+  steps = [step for step, _ in recorder.scalars]
+  assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 10
+  assert "closed AsyncWriter" not in caplog.text
 
 
 class StopsAtFirstEvaluation(Counting):
