@@ -211,13 +211,13 @@ class PeriodicAction:
   def _act_on(self, due: list[tuple[int, float | None, Any]]) -> None:
     """Copies the due steps' scalars to the host and calls `fn` for each."""
     host_values = self._to_host([values for _, _, values in due])
-    # The action's own pace, the wait for the devices left out: a slow step
-    # is no reason to hold the loop back.
+    # The action's own pace, the wait for the devices left out (a slow step
+    # is no reason to hold the loop back), kept current within a take: a
+    # writer's queue hides its pace until it fills.
     started = time.monotonic()
-    for (step, steps_per_sec, _), values in zip(due, host_values):
+    for done, ((step, steps_per_sec, _), values) in enumerate(zip(due, host_values), 1):
       self._apply_fn(step, steps_per_sec, values)
-    if due:
-      self._secs_per_step = (time.monotonic() - started) / len(due)
+      self._secs_per_step = (time.monotonic() - started) / done
 
   def _apply_fn(self, step: int, steps_per_sec: float | None, scalars: Any) -> None:
     """Acts on one due step, its scalars on the host (jaxline's hook)."""
