@@ -143,24 +143,30 @@ def test_async_steps_due_within_a_handover_interval_go_together():
   assert len(batches) <= 3, batches
 
 
-def test_a_slow_async_action_holds_the_loop_back_rather_than_fall_behind(monkeypatch):
-  # A writer slower than training: its backlog grew without bound (memory, and
-  # the flush before a stop's save took minutes).
-  monkeypatch.setattr(periodic, "_MOST_BEHIND", 20)
-  called_up_to = [0]
-  behind = []
+def _lags_behind(steps: int, action_secs: float, step_secs: float = 0.0) -> list[int]:
+  """How many steps behind the loop each call of a slow async action ran."""
+  called_up_to, behind = [0], []
 
   def slow(step, scalars):
     del scalars
     behind.append(called_up_to[0] - step)
-    time.sleep(0.002)
+    time.sleep(action_secs)
 
   action = periodic.PeriodicAction(slow, "steps", 1)
-  for step in range(1, 301):
+  for step in range(1, steps + 1):
     called_up_to[0] = step
     action(float(step), step, {})
+    time.sleep(step_secs)
   action.wait_to_finish()
-  assert len(behind) == 300
+  assert len(behind) == steps
+  return behind
+
+
+def test_a_slow_async_action_holds_the_loop_back_rather_than_fall_behind(monkeypatch):
+  # A writer slower than training: its backlog grew without bound (memory, and
+  # the flush before a stop's save took minutes).
+  monkeypatch.setattr(periodic, "_MOST_BEHIND", 20)
+  behind = _lags_behind(300, action_secs=0.002)
   # One take in progress and at most the allowed backlog behind it.
   assert max(behind) <= 2 * 20 + 1, max(behind)
 
@@ -168,20 +174,7 @@ def test_a_slow_async_action_holds_the_loop_back_rather_than_fall_behind(monkeyp
 def test_a_slow_async_action_is_allowed_a_backlog_of_about_a_second(monkeypatch):
   # At 0.1 s a row, 1,000 rows behind would hold a stop's save up for minutes.
   monkeypatch.setattr(periodic, "_MOST_BEHIND_SECS", 0.05)
-  called_up_to = [0]
-  behind = []
-
-  def slow(step, scalars):
-    del scalars
-    behind.append(called_up_to[0] - step)
-    time.sleep(0.01)  # A backlog of 0.05 s: 5 steps.
-
-  action = periodic.PeriodicAction(slow, "steps", 1)
-  for step in range(1, 101):
-    called_up_to[0] = step
-    action(float(step), step, {})
-    time.sleep(0.001)  # Steps ten times as fast as the action.
-  action.wait_to_finish()
+  behind = _lags_behind(100, action_secs=0.01, step_secs=0.001)  # A backlog of 5 steps.
   # Once the first take has measured the pace: a take in progress and 5 behind it.
   assert max(behind[20:]) <= 2 * 5 + 1, behind
 
