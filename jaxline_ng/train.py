@@ -107,20 +107,21 @@ def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
   taken then. Anything else is a ScalarsError naming the scalar. Nothing
   is dispatched to the devices (see `host_scalars_of_steps`).
   """
-  _check_scalars([scalars])
+  _check_scalars([scalars], "the experiment")
   return _numbers(devices.first_copy_to_host(dict(scalars)))
 
 
 def host_scalars_of_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """`host_scalars` of several steps' outputs, stacked on the devices and read together."""
-  _check_scalars(steps)
+  """`host_scalars` of several training steps' outputs, stacked on the devices
+  and read together."""
+  _check_scalars(steps, "step()")
   return [_numbers(values)
           for values in devices.first_copies_to_host([dict(scalars) for scalars in steps])]
 
 
-def _check_scalars(steps: Sequence[Mapping[str, Any]]) -> None:
+def _check_scalars(steps: Sequence[Mapping[str, Any]], producer: str) -> None:
   for scalars in steps:
-    problems = scalar_problems(scalars, "the experiment")
+    problems = scalar_problems(scalars, producer)
     if problems:
       raise ScalarsError(problems[0])
 
@@ -134,34 +135,31 @@ def _numbers(values: dict[str, Any]) -> dict[str, Any]:
   return values
 
 
-class _StepScalarsCheck(periodic.EveryStepAction):
-  """A periodic action: stops the run at the first step whose outputs cannot be logged.
+class _FirstStepChecks(periodic.EveryStepAction):
+  """A periodic action: stops the run after its first step if what `step`
+  returned cannot be logged, or if the experiment's CHECKPOINT_ATTRS cannot
+  be saved (`__init__` may leave them to the first step to build), rather
+  than at the first write or save, minutes or a whole run later.
 
   Runs on the loop's thread, first of all actions, while the outputs are
-  still what `step` returned: logging reads them later on its own thread,
-  after taking the first device's copy (which hides the real shape).
+  what `step` returned. Later steps' outputs are checked where they are
+  read, by logging (`host_scalars_of_steps`); the loop pays for no check.
   """
+
+  def __init__(self, experiment: Any | None):
+    self._experiment = experiment  # None where this process does not save.
+    self._done = False
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     del t, step
+    if self._done:
+      return
+    self._done = True
     problems = scalar_problems(scalars, "step()")
     if problems:
       raise ScalarsError(problems[0])
-
-
-class _CheckpointAttrsCheck(periodic.EveryStepAction):
-  """A periodic action: after the first step (which may build what `__init__`
-  left None), stops the run if its CHECKPOINT_ATTRS cannot be saved, rather
-  than at the first save, minutes or a whole run later."""
-
-  def __init__(self, experiment):
-    self._experiment = experiment
-
-  def __call__(self, t: float, step: int, scalars: Any) -> None:
-    del t, step, scalars
     if self._experiment is not None:
-      experiment, self._experiment = self._experiment, None
-      problem = experiment_lib.checkpoint_attrs_problem(experiment)
+      problem = experiment_lib.checkpoint_attrs_problem(self._experiment)
       if problem:
         raise experiment_lib.CheckpointAttrsError(problem)
 
@@ -380,10 +378,8 @@ def train(experiment_class, config, checkpointer, writer,
     own_actions.append(profiling.ProfileWindow(
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
         steps_completed=state.global_step))
-  # Outputs that cannot be logged stop the run first, while they are as `step` returned them.
-  actions = [_StepScalarsCheck(), *periodic_actions, *own_actions]
-  if save_checkpoints:
-    actions.insert(1, _CheckpointAttrsCheck(state.experiment_module))
+  actions = [_FirstStepChecks(state.experiment_module if save_checkpoints else None),
+             *periodic_actions, *own_actions]
   if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
     save_latest()
 
