@@ -61,24 +61,31 @@ def _drop_leading_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
-# Per (sharding, shape): which addressable shard holds the array's first row
-# whole, or None. Finding it builds an object per device (`addressable_shards`),
-# too slow to repeat for every leaf of every save.
-_first_row_shards: dict[tuple[Any, tuple[int, ...]], int | None] = {}
+# Per (sharding, shape): `_placement`'s answer. Finding it builds an object per
+# device (`addressable_shards`), too slow to repeat for every leaf of every
+# save and every logged scalar.
+_placements: dict[tuple[Any, tuple[int, ...]], tuple[int | None, bool]] = {}
 
 
-def _first_row_shard(leaf: jax.Array) -> int | None:
-  """The position of the shard of `leaf` that holds `leaf[0]` whole (the whole
-  value if replicated), or None when none does: an array split along a later
-  axis, such as a mesh's `model` axis."""
+def _placement(leaf: jax.Array) -> tuple[int | None, bool]:
+  """`(position, one_copy)`: the position of the shard of `leaf` that holds
+  `leaf[0]` whole (the whole value if replicated), or None when none does (an
+  array split along a later axis, such as a mesh's `model` axis); and whether
+  one shard is one whole copy: the value of a replicated array, or the first
+  row of a per-device one."""
   key = (leaf.sharding, leaf.shape)
-  if key not in _first_row_shards:
-    _first_row_shards[key] = next(
+  if key not in _placements:
+    position = next(
         (position for position, shard in enumerate(leaf.addressable_shards)
          if all(index.start in (None, 0) and (axis == 0 or index.stop in (None, size))
                 for axis, (index, size) in enumerate(zip(shard.index, leaf.shape)))),
         None)
-  return _first_row_shards[key]
+    devices = len(leaf.sharding.addressable_devices)
+    one_copy = leaf.is_fully_replicated or (
+        bool(leaf.shape) and leaf.shape[0] == devices
+        and leaf.sharding.shard_shape(leaf.shape)[0] == 1 and position is not None)
+    _placements[key] = (position, one_copy)
+  return _placements[key]
 
 
 def _first_shard(leaf: Any) -> Any:
@@ -86,25 +93,15 @@ def _first_shard(leaf: Any) -> Any:
   the value itself when replicated); the array itself if no buffer does, and
   other leaves as they are."""
   if isinstance(leaf, jax.Array) and len(leaf.sharding.addressable_devices) > 1:
-    position = _first_row_shard(leaf)
+    position, _ = _placement(leaf)
     if position is not None:
       return leaf.addressable_data(position)
   return leaf
 
 
-def _holds_one_copy(leaf: jax.Array) -> bool:
-  """Whether one shard of a multi-device `leaf` is one whole copy: the value of
-  a replicated array, or the first row of a per-device one."""
-  if leaf.is_fully_replicated:
-    return True
-  devices = len(leaf.sharding.addressable_devices)
-  return bool(leaf.shape) and leaf.shape[0] == devices and \
-      leaf.sharding.shard_shape(leaf.shape)[0] == 1 and _first_row_shard(leaf) is not None
-
-
 def _read_first_copy(leaf: jax.Array) -> np.ndarray:
   """One transfer: the first shard if it is a whole copy, else the whole array."""
-  return np.asarray(_first_shard(leaf) if _holds_one_copy(leaf) else leaf)
+  return np.asarray(_first_shard(leaf) if _placement(leaf)[1] else leaf)
 
 
 # Reading many arrays of one placement (the scalars of every step logged since
@@ -147,7 +144,7 @@ def first_copies_to_host(trees: list[Any]) -> list[Any]:
       if not isinstance(leaf, jax.Array):
         continue
       # Stacking an array of several processes would run a program on every process.
-      if _holds_one_copy(leaf) and leaf.is_fully_addressable:
+      if _placement(leaf)[1] and leaf.is_fully_addressable:
         groups.setdefault((leaf.sharding, leaf.shape, leaf.dtype), []).append((i, j))
       else:
         tree_leaves[j] = _read_first_copy(leaf)
@@ -162,7 +159,7 @@ def first_copies_to_host(trees: list[Any]) -> list[Any]:
         padded = 1 << (len(arrays) - 1).bit_length()
         # The stack keeps each device's rows on it, in the arrays' device order.
         stacked = stack(arrays + arrays[-1:] * (padded - len(arrays)))
-        rows = np.asarray(stacked.addressable_data(_first_row_shard(arrays[0])))
+        rows = np.asarray(stacked.addressable_data(_placement(arrays[0])[0]))
       for (i, j), row in zip(chunk, rows):
         leaves[i][j] = row
   return [jax.tree.unflatten(treedef, tree_leaves)
