@@ -168,6 +168,13 @@ class PeriodicAction:
       self._unlogged.append((step, scalars))
     if self._apply_condition(t, step):
       self._act(t, step, scalars)
+    elif self.log_all_data and len(self._unlogged) > self._most_behind():
+      # Rows kept for the next due step are handed over before it, with the
+      # bound on how far behind they may fall: held back for a long interval
+      # (seconds), a slow writer's backlog grew without bound, and a stop
+      # waited for all of it before saving.
+      self._hand_over([(s, None, values) for s, values in self._unlogged])
+      self._unlogged = []
 
   def _act(self, t: float, step: int, scalars: Any) -> None:
     elapsed = t - (self._made_at if self._prev_time is None else self._prev_time)
@@ -177,6 +184,15 @@ class PeriodicAction:
     due = [(s, steps_per_sec if s == step else None, values) for s, values in batch]
     self._last_acted_step = step
     self.update_time(t, step)
+    self._hand_over(due)
+
+  def _most_behind(self) -> float:
+    """How many due steps the background thread may have yet to act on."""
+    return min(_MOST_BEHIND, _MOST_BEHIND_SECS / max(self._secs_per_step, 1e-9))
+
+  def _hand_over(self, due: list[tuple[int, float | None, Any]]) -> None:
+    """Acts on `due` now, or with run_async has the background thread take it,
+    waiting for it first if it has fallen too far behind."""
     if not self._run_async:
       self._act_on(due)
       return
@@ -191,7 +207,7 @@ class PeriodicAction:
         self._take_queued = True
     if queued is None:
       self._in_progress = self._act_in_background()
-    elif behind > min(_MOST_BEHIND, _MOST_BEHIND_SECS / max(self._secs_per_step, 1e-9)):
+    elif behind > self._most_behind():
       concurrent.futures.wait([queued])  # Its take includes these.
 
   def _take_due(self) -> None:

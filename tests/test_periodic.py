@@ -143,7 +143,8 @@ def test_async_steps_due_within_a_handover_interval_go_together():
   assert len(batches) <= 3, batches
 
 
-def _lags_behind(steps: int, action_secs: float, step_secs: float = 0.0) -> list[int]:
+def _lags_behind(steps: int, action_secs: float, step_secs: float = 0.0,
+                 **action_kwargs) -> list[int]:
   """How many steps behind the loop each call of a slow async action ran."""
   called_up_to, behind = [0], []
 
@@ -152,12 +153,13 @@ def _lags_behind(steps: int, action_secs: float, step_secs: float = 0.0) -> list
     behind.append(called_up_to[0] - step)
     time.sleep(action_secs)
 
-  action = periodic.PeriodicAction(slow, "steps", 1)
+  action = periodic.PeriodicAction(slow, **({"interval_type": "steps", "interval": 1}
+                                            | action_kwargs))
   for step in range(1, steps + 1):
     called_up_to[0] = step
     action(float(step), step, {})
     time.sleep(step_secs)
-  action.wait_to_finish()
+  action.finish()
   assert len(behind) == steps
   return behind
 
@@ -177,6 +179,16 @@ def test_a_slow_async_action_is_allowed_a_backlog_of_about_a_second(monkeypatch)
   behind = _lags_behind(100, action_secs=0.01, step_secs=0.001)  # A backlog of 5 steps.
   # Once the first take has measured the pace: a take in progress and 5 behind it.
   assert max(behind[20:]) <= 2 * 5 + 1, behind
+
+
+def test_a_slow_writer_of_every_steps_data_holds_the_loop_back_between_due_steps(monkeypatch):
+  # log_all_train_data with an interval of seconds: every step's row was held
+  # until the next due step, so a slow writer's backlog grew without bound, and
+  # a SIGTERM's save waited minutes for it (a scheduler kills the run first).
+  monkeypatch.setattr(periodic, "_MOST_BEHIND", 20)
+  behind = _lags_behind(300, action_secs=0.002, interval_type="secs", interval=3600.0,
+                        log_all_data=True)
+  assert max(behind[1:]) <= 3 * 20 + 1, max(behind)
 
 
 def test_async_due_steps_are_acted_on_without_a_later_call():
