@@ -12,6 +12,7 @@ interpreter exit.
 import atexit
 import contextlib
 import functools
+import io
 import json
 import math
 import os
@@ -427,43 +428,36 @@ class JsonlWriter:
   def resume(self, global_step: int) -> None:
     """Drops rows past `global_step` (an interrupted run's, about to be redone).
 
-    The rows kept stay byte for byte; the file is replaced atomically, so a
-    crash here leaves either the old file or the new one. A torn last line
-    (the interrupted run died mid-write) goes too.
+    The rows kept stay byte for byte: the file is cut after the last of them,
+    found by reading back from its end (a long run's file is never read
+    whole), so a crash here leaves either the old file or the cut one. A torn
+    last line (the interrupted run died mid-write) goes too.
     """
     self.flush()
     if not os.path.exists(self._path):
       return
     with open(self._path, "rb") as f:
-      lines = f.readlines()
-    # Rows are appended in step order: only the tail past `global_step` is parsed.
-    keep = len(lines)
-    while keep and ((step := _row_step(lines[keep - 1])) is None or step > global_step):
-      keep -= 1
-    if keep == len(lines):
+      size = f.seek(0, os.SEEK_END)
+      cut = _end_of_rows_up_to(f, global_step)
+    if cut == size:
       return
+    if self._file is not None:
+      self._file.close()
+      self._file = None
     if global_step <= 0:
       # No checkpoint to resume from: these rows are an earlier run's (its
       # checkpoints deleted, or never durable). Kept beside, never dropped.
-      self._set_aside(len(lines))
+      self._set_aside()
       return
-    kept = lines[:keep]
-    temporary = self._path + ".resume"
-    with open(temporary, "wb") as f:
-      f.writelines(kept)
-      f.flush()
+    with open(self._path, "r+b") as f:
+      f.truncate(cut)
       os.fsync(f.fileno())
-    if self._file is not None:
-      self._file.close()
-      self._file = None
-    os.replace(temporary, self._path)
 
-  def _set_aside(self, rows: int) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
+  def _set_aside(self) -> None:
     aside = f"{self._path}.{time.strftime('%Y%m%dT%H%M%S')}"
     os.replace(self._path, aside)
+    with open(aside, "rb") as f:
+      rows = sum(1 for _ in f)
     logging.warning("[jaxline_ng] %s held %d rows of an earlier run but there is no checkpoint "
                     "to resume it from: training starts at step 0, and those rows are now in %s.",
                     self._path, rows, aside)
@@ -478,6 +472,30 @@ class JsonlWriter:
       finally:
         with self._naming_the_file():
           self._file.close()  # Writes what a failed flush left in the file's buffer.
+
+
+# How much of the end of `metrics.jsonl` a resume reads at a time.
+_RESUME_READ_BYTES = 1 << 16
+
+
+def _end_of_rows_up_to(f, global_step: int) -> int:
+  """The offset in `f` just past the last row of a step <= `global_step`
+  (rows are appended in step order), reading back from the end; 0 if none."""
+  end = f.seek(0, os.SEEK_END)
+  tail = b""  # The bytes from `start` to `end` not yet looked at.
+  start = end
+  while start > 0:
+    start = max(0, start - _RESUME_READ_BYTES)
+    f.seek(start)
+    tail = f.read(end - start)
+    lines = io.BytesIO(tail).readlines()  # Split at b"\n" alone, as rows end.
+    # The first line may begin before `start`: keep it for the next read.
+    for line in reversed(lines[1:] if start > 0 else lines):
+      step = _row_step(line)
+      if step is not None and step <= global_step:
+        return end
+      end -= len(line)
+  return 0
 
 
 def _row_step(line: bytes) -> int | None:

@@ -1,6 +1,7 @@
 """Tests for jaxline_ng.writers: what lands on disk, and on which thread."""
 
 import glob
+import io
 import json
 import math
 import os
@@ -580,6 +581,27 @@ def test_jsonl_resume_drops_rows_past_the_step_and_a_torn_line_keeping_the_rest(
   writer.write_scalars(3, {"loss": 0.125})
   writer.close()
   assert path.read_bytes() == kept + b'{"step": 3, "loss": 0.125}\n'
+
+
+def test_jsonl_resume_reads_only_the_end_of_a_long_file(tmp_path, monkeypatch):
+  # A run logging every step for days has a file of millions of rows; reading
+  # it whole at every resume took seconds and hundreds of MB.
+  path = tmp_path / "metrics.jsonl"
+  rows = b"".join(b'{"step": %d, "loss": 0.5}\n' % step for step in range(1, 100_001))
+  path.write_bytes(rows)
+  read = []
+
+  class Counted(io.FileIO):
+
+    def read(self, size=-1):
+      data = super().read(size)
+      read.append(len(data))
+      return data
+
+  monkeypatch.setattr(writers, "open", Counted, raising=False)
+  writers.JsonlWriter(str(path)).resume(99_990)
+  assert path.read_bytes() == rows[:rows.index(b'{"step": 99991,')]
+  assert sum(read) < len(rows) // 10, (sum(read), len(rows))
 
 
 def test_a_start_from_step_0_sets_an_earlier_runs_rows_aside(tmp_path, caplog):
