@@ -176,9 +176,11 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, Any]) -> str:
+def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, Any],
+                   eta: bool = True) -> str:
   """"step 120/1000 (12.0%), 85.1 steps/s, ETA 0:00:10 | loss=0.31", from the
-  scalars of `step` (with the `steps_per_sec` a periodic action adds)."""
+  scalars of `step` (with the `steps_per_sec` a periodic action adds); no
+  ETA unless `eta`."""
   scalars = dict(scalars)
   steps_per_sec = scalars.pop("steps_per_sec", None)
   parts = [f"step {step}"]
@@ -186,7 +188,7 @@ def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, 
     parts[0] += f"/{training_steps} ({100.0 * step / training_steps:.1f}%)"
   if steps_per_sec:
     parts.append(f"{steps_per_sec:.1f} steps/s")
-    if training_steps:
+    if training_steps and eta:
       parts.append(f"ETA {_format_duration((training_steps - step) / steps_per_sec)}")
   compact = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in sorted(scalars.items()))
@@ -239,9 +241,13 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   ends_at = (config.training_steps if type(module).should_run_step
              is experiment_lib.AbstractExperiment.should_run_step else None)
 
+  logged_before = []
+
   def log_progress(step, values):
     guard.observe(step, values)
-    logging.info(_progress_line(step, ends_at, values))
+    # The first rate includes compiling the step: an ETA from it is far off.
+    logging.info(_progress_line(step, ends_at, values, eta=bool(logged_before)))
+    logged_before.append(step)
 
   # With a `secs` interval the first step is logged and written at once. The
   # first rate is measured from here, as jaxline's from the loop's start (so

@@ -385,6 +385,15 @@ def test_progress_shows_a_total_only_where_training_steps_ends_the_run(
   assert last.startswith(f"[jaxline_ng] {progress}") and ("ETA" in last) == eta, last
 
 
+def test_the_first_progress_line_gives_no_eta_from_a_rate_that_includes_compiling(caplog):
+  config = make_config(training_steps=5, log_tensors_interval=1)
+  with caplog.at_level("INFO"):
+    train.train(Counting, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  lines = [line for line in caplog.messages if line.startswith("[jaxline_ng] step ")]
+  assert "steps/s" in lines[0] and "ETA" not in lines[0], lines[0]
+  assert all("ETA" in line for line in lines[1:]), lines
+
+
 def test_an_action_failing_leaves_the_rows_of_the_steps_run_written_before_the_writer_closes(
     caplog):
   def fails(step, scalars):
