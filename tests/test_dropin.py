@@ -151,6 +151,19 @@ def test_initialize_train_step_rng_gets_one_key_and_places_it_per_device():
   assert len({np.asarray(r).tobytes() for r in module.step_rngs}) == 3
 
 
+@pytest.mark.parametrize("interval_type", ["secs", "steps"])
+def test_train_runs_with_a_mock_checkpointer_and_writer(interval_type):
+  """How published tests call jaxline's train (BraVe's `experiment_test.py`):
+  everything a Mock is asked for exists, and jaxline's loops asked only for
+  its methods. jaxline_ng read a Mock's made-up attributes as its own facts."""
+  checkpointer, writer = mock.Mock(), mock.Mock()
+  config = make_config(interval_type=interval_type, training_steps=2)
+  train.train(NoInitRng, config, checkpointer, writer)
+  checkpointer.get_experiment_state.assert_called_with("latest")
+  checkpointer.save.assert_called_with("latest")
+  assert checkpointer.get_experiment_state.return_value.global_step == 2
+
+
 def test_a_configdict_checkpointer_sees_jaxlines_entries_as_plain_values():
   checkpointer = ConfigDictCheckpointer()
   config = make_config(save_checkpoint_interval=1, training_steps=4)
