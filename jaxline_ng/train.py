@@ -229,11 +229,9 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   checkpoint), so a resumed run does not restart its saving clock.
   """
   start_step = state.global_step
-  # Read only if a restore set it: a `mock.Mock()` checkpointer (published
-  # tests pass one, as jaxline's loops allow) hands out a state that has every attribute.
-  times = getattr(state, "periodic_action_times", None)
-  saved_at_time, saved_at_step = (times if isinstance(times, dict) else {}).get(
-      "checkpoint", (time.time(), start_step))
+  keeps_run_facts = _keeps_run_facts(checkpointer, state)
+  times = getattr(state, "periodic_action_times", None) if keeps_run_facts else None
+  saved_at_time, saved_at_step = (times or {}).get("checkpoint", (time.time(), start_step))
   logging_type = _interval_type(config, "logging_interval_type")
   growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
   actions = {"non_finite_guard": guard}
@@ -244,13 +242,14 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   ends_at = (config.training_steps if type(module).should_run_step
              is experiment_lib.AbstractExperiment.should_run_step else None)
 
-  logged_before = []
+  first_line = True
 
   def log_progress(step, values):
+    nonlocal first_line
     guard.observe(step, values)
     # The first rate includes compiling the step: an ETA from it is far off.
-    logging.info(_progress_line(step, ends_at, values, eta=bool(logged_before)))
-    logged_before.append(step)
+    logging.info(_progress_line(step, ends_at, values, eta=not first_line))
+    first_line = False
 
   # With a `secs` interval the first step is logged and written at once. The
   # first rate is measured from here, as jaxline's from the loop's start (so
@@ -271,7 +270,6 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
         logging_growth_ratios=growth)
 
   saved_at = [None]
-  keeps_run_facts = _keeps_run_facts(checkpointer, state)
   # jaxline_ng's checkpointers run the guard on their save worker (waiting for
   # the step there, not here); a user's checkpointer gets a checked state.
   validates = "validate" in inspect.signature(checkpointer.save).parameters
@@ -352,12 +350,14 @@ def train(experiment_class, config, checkpointer, writer,
   state.experiment_module = experiment
   state.train_step_rng = experiment.initialize_train_step_rng(train_key)
   run_config = json.dumps(run_record.flat_config(config), sort_keys=True)
+  keeps_run_facts = _keeps_run_facts(checkpointer, state)
   if checkpointer.can_be_restored("latest"):
     with experiment_lib.log_activity("checkpoint restore"):
       checkpointer.restore("latest")
-    _check_resumed_config(getattr(state, "run_config", None), run_config,
-                          config.strict_resume_config)
-  if _keeps_run_facts(checkpointer, state):
+    if keeps_run_facts:
+      _check_resumed_config(getattr(state, "run_config", None), run_config,
+                            config.strict_resume_config)
+  if keeps_run_facts:
     state.run_config = run_config
   if writer is not None and hasattr(writer, "resume"):
     # Rows an interrupted run wrote past its last checkpoint are redone from
@@ -442,6 +442,9 @@ def train(experiment_class, config, checkpointer, writer,
 def _keeps_run_facts(checkpointer, state) -> bool:
   """Whether the `latest` state keeps jaxline_ng's entries beside jaxline's:
   the run's config (compared on resume) and when the last periodic save ran.
+  They are read back only where they are kept: any other state may hold
+  anything under those names (a `mock.Mock()` checkpointer's, which published
+  tests pass, has every attribute).
 
   Only where jaxline_ng's own checkpointers save and restore its own state:
   code written for jaxline (a checkpointer of its own, or a subclass of
@@ -491,7 +494,7 @@ def _check_saves_agree(config, checkpointer) -> None:
 
 def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None:
   """Logs (or, if `strict`, refuses) config keys that differ from the checkpoint's."""
-  if not isinstance(saved, str):  # None: not saved; anything else: not ours (a Mock's state).
+  if saved is None:
     return
   changed = run_record.differences(json.loads(saved), json.loads(current))
   if not changed:

@@ -482,7 +482,6 @@ def _end_of_rows_up_to(f, global_step: int) -> int:
   """The offset in `f` just past the last row of a step <= `global_step`
   (rows are appended in step order), reading back from the end; 0 if none."""
   end = f.seek(0, os.SEEK_END)
-  tail = b""  # The bytes from `start` to `end` not yet looked at.
   start = end
   while start > 0:
     start = max(0, start - _RESUME_READ_BYTES)
