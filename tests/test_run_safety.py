@@ -271,7 +271,8 @@ def test_wall_clock_budget_exit_code_from_the_command_line(tmp_path):
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   result = subprocess.run(
       [sys.executable, toy, f"--config={toy}", f"--config.checkpoint_dir={tmp_path}",
-       "--config.training_steps=100000000", "--config.wall_clock_budget_secs=2"],
+       "--config.training_steps=100000000", "--config.wall_clock_budget_secs=2",
+       "--config.experiment_kwargs.config.step_sleep_secs=0.005"],  # Spares the suite's CPU.
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == preemption.EXIT_PREEMPTED == 75, result.stderr[-2000:]
   assert "stopped by the wall-clock budget of 2s after step" in result.stderr

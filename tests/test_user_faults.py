@@ -346,7 +346,9 @@ def test_evaluate_returning_an_unloggable_scalar_writes_the_row_and_names_the_ke
 def test_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_path):
   first = subprocess.Popen(
       toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
-          "--config.training_steps=1000000", "--config.save_checkpoint_interval=5"),
+          "--config.training_steps=1000000", "--config.save_checkpoint_interval=5",
+          # Paced: it only has to outlive the runs below, which need the CPU.
+          "--config.experiment_kwargs.config.step_sleep_secs=0.01"),
       cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
     for line in first.stderr:
