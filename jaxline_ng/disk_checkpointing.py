@@ -774,10 +774,12 @@ def _live_layout(module) -> dict[str, Any]:
       return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
     return leaf[0]
 
+  # An attribute the first step creates is absent, not None, until then: jaxline
+  # restores by setattr, so experiments written for it may leave it out of __init__.
   pmap_mode = mesh_lib.active_mesh() is None
-  layout = {name: jax.tree.map(one_copy, getattr(module, attr)) if pmap_mode
-            else getattr(module, attr) for attr, name in attrs.items()}
-  layout.update({name: getattr(module, attr) for attr, name in non_broadcast_attrs.items()})
+  layout = {name: jax.tree.map(one_copy, getattr(module, attr, None)) if pmap_mode
+            else getattr(module, attr, None) for attr, name in attrs.items()}
+  layout.update({name: getattr(module, attr, None) for attr, name in non_broadcast_attrs.items()})
   return layout
 
 

@@ -5,7 +5,7 @@ in flight, `train` saves `latest`, waits for the save, flushes the writers,
 and the process exits with `EXIT_PREEMPTED`. A second signal, in any phase
 (the final save and flush included), exits at once, also with
 `EXIT_PREEMPTED`; a checkpoint being written then is left incomplete and
-ignored on restore.
+ignored on restore. A signal delivered twice at once counts once.
 
 The loop learns of the request through a periodic action (`StopCheck`), so
 experiments that override `train_loop` stop too, as long as they call their
@@ -21,6 +21,7 @@ scheduler's kill after its grace period ends the processes.
 
 import contextlib
 import os
+import select
 import signal
 import threading
 import time
@@ -110,10 +111,16 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
   the signal came, so this thread reads it and acts.
   """
   while data := os.read(read_fd, 64):
+    # What arrived while this thread woke is read with it: a signal delivered
+    # twice at once is one request (coreutils' `timeout` signals its child and
+    # then its process group, microseconds apart; acting on the second as a
+    # second signal exited without the final save).
+    while select.select([read_fd], [], [], 0)[0] and (more := os.read(read_fd, 64)):
+      data += more
     if forward_fd != -1:  # Whoever set the wake-up fd before still hears of every signal.
       with contextlib.suppress(OSError):
         os.write(forward_fd, data)
-    for signum in data:
+    for signum in dict.fromkeys(data):
       if signum in handled:
         _act_on_signal(signum)
 

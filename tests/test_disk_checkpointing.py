@@ -540,6 +540,32 @@ def test_state_built_in_the_first_step_resumes_instead_of_starting_afresh(tmp_pa
                       (uninterrupted._params, uninterrupted._opt_state, uninterrupted._moments))  # pylint: disable=protected-access
 
 
+class AbsentUntilFirstStep(BuiltInFirstStep):
+  """As BuiltInFirstStep, but the attributes do not exist until the first step
+  (jaxline restores by setattr, so experiments written for it may do this)."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    del self._opt_state, self._moments
+
+  def step(self, global_step, **unused):
+    if not hasattr(self, "_moments"):
+      self._opt_state = self._moments = None
+    return super().step(global_step=global_step)
+
+
+def test_state_absent_until_the_first_step_resumes_and_an_eval_job_restores_it(tmp_path):
+  uninterrupted, resumed = _uninterrupted_and_resumed(AbsentUntilFirstStep, tmp_path, 7)
+  assert int(utils.get_first(resumed._moments).count) == 7  # pylint: disable=protected-access
+  _assert_same_arrays((resumed._params, resumed._moments),  # pylint: disable=protected-access
+                      (uninterrupted._params, uninterrupted._moments))  # pylint: disable=protected-access
+  evaluator = disk_checkpointing.DiskCheckpointer(disk_config(tmp_path / "once", 7), "eval")
+  state = evaluator.get_experiment_state("latest")
+  state.experiment_module = AbsentUntilFirstStep("eval", jax.random.PRNGKey(0))
+  evaluator.restore("latest")
+  assert int(utils.get_first(state.experiment_module._moments).count) == 7  # pylint: disable=protected-access
+
+
 def test_training_refuses_state_it_cannot_rebuild_rather_than_start_it_afresh(tmp_path):
   # A NamedTuple class made inside a function: no module attribute names it.
   LocalMoments = collections.namedtuple("LocalMoments", ["mean", "count"])  # noqa: N806

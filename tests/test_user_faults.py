@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from jaxline_ng import disk_checkpointing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(ROOT, "tests", "experiments", "toy.py")
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
@@ -211,6 +213,25 @@ def test_sigterm_to_train_eval_multithreaded_exits_75(tmp_path):
           "--config.training_steps=1000000"),
       ["step 10/"])
   assert code == 75, stderr[-3000:]
+
+
+def test_one_sigterm_delivered_twice_at_once_still_saves(tmp_path):
+  # Signalled, coreutils' `timeout` sends the signal to its child and then to
+  # its process group, the child included, microseconds apart: one request.
+  script = experiment_script(tmp_path, (
+      "def step(self, global_step, rng, writer):\n"
+      "  if int(global_step[0]) == 10:\n"
+      "    import os, signal\n"
+      "    os.kill(os.getpid(), signal.SIGTERM)\n"
+      "    os.kill(os.getpid(), signal.SIGTERM)\n"
+      "  return super().step(global_step=global_step, rng=rng, writer=writer)\n"))
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+                   "--config.training_steps=1000", "--config.save_checkpoint_interval=1000",
+                   script=script))
+  assert result.returncode == 75, result.stderr[-3000:]
+  assert "Second SIGTERM" not in result.stderr
+  assert "stopped by SIGTERM after step 11" in result.stderr
+  assert disk_checkpointing.read(str(tmp_path))[0] == 11
 
 
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
