@@ -379,6 +379,8 @@ class JsonlWriter:
   def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
     if self._closed:
       raise ValueError(f"JsonlWriter({self._path!r}) is closed.")
+    if not scalars:
+      return  # A row of its step alone says nothing; TensorBoard gets no point either.
     if "step" in scalars:
       # The row's "step" is the global step; a scalar of that name (kfac-jax
       # returns its optimizer's step counter, which jaxline wrote as is) goes beside it.

@@ -256,6 +256,7 @@ def test_jsonl_writer(tmp_path):
       },
   )
   writer.write_scalars(2, {"loss": float("nan"), "big": math.inf})
+  writer.write_scalars(2, {})  # A step that returned nothing (log_all_train_data) has no row.
   writer.write_images(2, {"image": np.zeros((2, 2))})
   writer.write_histograms(2, {"h": np.zeros(3)})
   writer.write_texts(2, {"t": "ignored"})
