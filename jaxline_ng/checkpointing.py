@@ -192,9 +192,11 @@ class InMemoryCheckpointer:
 
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Snapshots the live state of `ckpt_series`; `validate()` may veto it by raising."""
+    nest = device_snapshot(self.get_experiment_state(ckpt_series))
+    # Validating waits for the step to finish: the copies dispatched first keep
+    # the devices busy meanwhile, not idle while the host makes them.
     if validate is not None:
       validate()
-    nest = device_snapshot(self.get_experiment_state(ckpt_series))
     snapshot = ml_collections.ConfigDict(nest)
     series = self._series(ckpt_series)
     with self._lock:
