@@ -453,7 +453,7 @@ def _keeps_run_facts(checkpointer, state) -> bool:
   a string or a dict of tuples.
   """
   return (isinstance(state, checkpointing.ExperimentState) and _restore_is_ours(checkpointer)
-          and type(checkpointer).save.__module__ in _OUR_CHECKPOINTERS)
+          and _is_ours(checkpointer, "save"))
 
 
 def _every_process_saves(checkpointer) -> bool:
@@ -512,7 +512,14 @@ _OUR_CHECKPOINTERS = ("jaxline_ng.checkpointing", "jaxline_ng.disk_checkpointing
 
 def _restore_is_ours(checkpointer) -> bool:
   """Whether `checkpointer.restore` is jaxline_ng's (not a user's override)."""
-  return type(checkpointer).restore.__module__ in _OUR_CHECKPOINTERS
+  return _is_ours(checkpointer, "restore")
+
+
+def _is_ours(checkpointer, method: str) -> bool:
+  # Looked up on the class: a `mock.Mock()` or a wrapper forwarding through
+  # `__getattr__` has the method on the instance alone.
+  return getattr(getattr(type(checkpointer), method, None), "__module__",
+                 None) in _OUR_CHECKPOINTERS
 
 
 class _BestTracker:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from ml_collections import config_dict
 
-from jaxline_ng import base_config, experiment, preemption, train, utils
+from jaxline_ng import base_config, checkpointing, experiment, preemption, train, utils
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,6 +162,27 @@ def test_train_runs_with_a_mock_checkpointer_and_writer(interval_type):
   checkpointer.get_experiment_state.assert_called_with("latest")
   checkpointer.save.assert_called_with("latest")
   assert checkpointer.get_experiment_state.return_value.global_step == 2
+
+
+def test_an_eval_job_runs_with_a_mock_checkpointer():
+  checkpointer, writer = mock.Mock(), mock.Mock()
+  train.evaluate(NoInitRng, make_config(one_off_evaluate=True), checkpointer, writer,
+                 jaxline_mode="eval")
+  assert writer.write_scalars.called
+
+
+def test_train_runs_with_a_checkpointer_that_forwards_to_another():
+  class Forwarding:  # Methods found through __getattr__ alone, not on the class.
+    def __init__(self, inner):
+      self._inner = inner
+
+    def __getattr__(self, name):
+      return getattr(self._inner, name)
+
+  config = make_config()
+  inner = checkpointing.InMemoryCheckpointer(config, "train")
+  train.train(NoInitRng, config, Forwarding(inner), None)
+  assert inner.get_experiment_state("latest").global_step == 3
 
 
 def test_a_configdict_checkpointer_sees_jaxlines_entries_as_plain_values():
