@@ -672,10 +672,11 @@ def evaluate(experiment_class, config, checkpointer, writer,
       state.global_step = 0
     initial_weights_pending = False
     if evaluated_step < 0 and writer is not None and hasattr(writer, "resume"):
-      # This job's first evaluation: rows from its step on are an earlier
-      # job's (an evaluator restarted over the newest checkpoint, or an
-      # earlier run's), about to be redone; as the trainer's on resume.
-      writer.resume(state.global_step - 1)
+      # This job's first evaluation: a row of its step is an earlier job's
+      # (an evaluator restarted over the newest checkpoint), about to be
+      # redone. Rows past it are an earlier run's (a run restarted afresh,
+      # or a one-off evaluation of an older checkpoint): kept aside.
+      writer.resume(state.global_step - 1, set_aside_past=state.global_step)
     evaluated_step = state.global_step
 
     # --- Evaluate, write, track the best. ---

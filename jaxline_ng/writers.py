@@ -11,8 +11,10 @@ interpreter exit.
 
 import atexit
 import contextlib
+import errno
 import functools
 import io
+import itertools
 import json
 import math
 import os
@@ -258,7 +260,7 @@ class TensorBoardWriter:
       self._commit()
       self._writer.flush()
 
-  def resume(self, global_step: int) -> None:
+  def resume(self, global_step: int, *, set_aside_past: int | None = None) -> None:
     """Marks a restart after `global_step`: TensorBoard drops earlier runs' points past it.
 
     TensorBoard's own mechanism: a `SessionLog` START event at step s hides
@@ -269,8 +271,10 @@ class TensorBoardWriter:
     named to sort after the earlier runs' files, and this writer then
     starts a new file that sorts after it (TensorBoard reads a log's files
     in name order), so this run's points stay. Without earlier event files
-    there is nothing to hide and nothing is written.
+    there is nothing to hide and nothing is written. `set_aside_past` is
+    `JsonlWriter.resume`'s: the event files stay whole, the points are hidden.
     """
+    del set_aside_past
     self._open()
     if not self._earlier_events:
       return
@@ -417,6 +421,10 @@ class JsonlWriter:
     self._lines.clear()
     self._buffered_bytes = 0
     with self._naming_the_file():
+      if os.fstat(self._file.fileno()).st_nlink == 0:
+        # Deleted under the run (its checkpoint_dir removed): rows written on
+        # would reach no file, and the run would end as if they had.
+        raise OSError(errno.ENOENT, "deleted while the run was writing it")
       self._file.write(data)
       self._file.flush()
 
@@ -427,42 +435,53 @@ class JsonlWriter:
     except OSError as e:
       raise MetricsWriteError(e.errno, f"cannot write {self._path}: {e.strerror or e}") from None
 
-  def resume(self, global_step: int) -> None:
-    """Drops rows past `global_step` (an interrupted run's, about to be redone).
+  def resume(self, global_step: int, *, set_aside_past: int | None = None) -> None:
+    """Drops rows past `global_step`: an interrupted run's, about to be redone.
 
     The rows kept stay byte for byte: the file is cut after the last of them,
     found by reading back from its end (a long run's file is never read
     whole), so a crash here leaves either the old file or the cut one. A torn
     last line (the interrupted run died mid-write) goes too.
+
+    Rows past `set_aside_past` are an earlier run's instead, which nothing
+    will redo (its checkpoints deleted, or never durable): the whole file is
+    moved aside, kept, and named in a warning. By default that is any row of
+    a step after 0 when `global_step` is 0: a run starting afresh.
     """
     self.flush()
     if not os.path.exists(self._path):
       return
-    with open(self._path, "rb") as f:
-      size = f.seek(0, os.SEEK_END)
-      cut = _end_of_rows_up_to(f, global_step)
-    if cut == size:
-      return
-    if self._file is not None:
-      self._file.close()
-      self._file = None
-    if global_step <= 0:
-      # No checkpoint to resume from: these rows are an earlier run's (its
-      # checkpoints deleted, or never durable). Kept beside, never dropped.
-      self._set_aside()
-      return
-    with open(self._path, "r+b") as f:
-      f.truncate(cut)
-      os.fsync(f.fileno())
+    if set_aside_past is None and global_step <= 0:
+      set_aside_past = 0
+    with self._naming_the_file():
+      with open(self._path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        cut, newest = _end_of_rows_up_to(f, global_step)
+      if cut == size:
+        return
+      if self._file is not None:
+        self._file.close()
+        self._file = None
+      if set_aside_past is not None and newest is not None and newest > set_aside_past:
+        self._set_aside(global_step)
+        return
+      with open(self._path, "r+b") as f:
+        f.truncate(cut)
+        os.fsync(f.fileno())
 
-  def _set_aside(self) -> None:
+  def _set_aside(self, global_step: int) -> None:
     aside = f"{self._path}.{time.strftime('%Y%m%dT%H%M%S')}"
-    os.replace(self._path, aside)
-    with open(aside, "rb") as f:
+    taken = aside
+    for n in itertools.count(1):  # Never onto an earlier set-aside of the same second.
+      if not os.path.exists(taken):
+        break
+      taken = f"{aside}.{n}"
+    os.replace(self._path, taken)
+    with open(taken, "rb") as f:
       rows = sum(1 for _ in f)
-    logging.warning("[jaxline_ng] %s held %d rows of an earlier run but there is no checkpoint "
-                    "to resume it from: training starts at step 0, and those rows are now in %s.",
-                    self._path, rows, aside)
+    logging.warning("[jaxline_ng] %s held %d rows of an earlier run, which go past step %d "
+                    "where this one goes on: they are now in %s.",
+                    self._path, rows, global_step, taken)
 
   def close(self) -> None:
     if self._closed:
@@ -480,11 +499,13 @@ class JsonlWriter:
 _RESUME_READ_BYTES = 1 << 16
 
 
-def _end_of_rows_up_to(f, global_step: int) -> int:
-  """The offset in `f` just past the last row of a step <= `global_step`
-  (rows are appended in step order), reading back from the end; 0 if none."""
+def _end_of_rows_up_to(f, global_step: int) -> tuple[int, int | None]:
+  """`(offset, newest)`: the offset in `f` just past the last row of a step
+  <= `global_step` (0 if none; rows are appended in step order), reading back
+  from the end, and the step of the file's last row (None if none)."""
   end = f.seek(0, os.SEEK_END)
   start = end
+  newest = None
   while start > 0:
     start = max(0, start - _RESUME_READ_BYTES)
     f.seek(start)
@@ -493,10 +514,12 @@ def _end_of_rows_up_to(f, global_step: int) -> int:
     # The first line may begin before `start`: keep it for the next read.
     for line in reversed(lines[1:] if start > 0 else lines):
       step = _row_step(line)
-      if step is not None and step <= global_step:
-        return end
+      if step is not None:
+        newest = step if newest is None else newest
+        if step <= global_step:
+          return end, newest
       end -= len(line)
-  return 0
+  return 0, newest
 
 
 def _row_step(line: bytes) -> int | None:
@@ -521,13 +544,13 @@ class MultiWriter:
   def __init__(self, writers: Sequence[Writer]):
     self._writers = tuple(writers)
 
-  def _call_all(self, method: str, *args: Any, skip_missing: bool = False) -> None:
+  def _call_all(self, method: str, *args: Any, skip_missing: bool = False, **kwargs: Any) -> None:
     errors = []
     for writer in self._writers:
       if skip_missing and not hasattr(writer, method):
         continue
       try:
-        getattr(writer, method)(*args)
+        getattr(writer, method)(*args, **kwargs)
       except Exception as e:
         errors.append(e)
     if errors:
@@ -556,9 +579,9 @@ class MultiWriter:
   def flush(self) -> None:
     self._call_all("flush")
 
-  def resume(self, global_step: int) -> None:
+  def resume(self, global_step: int, **kwargs: Any) -> None:
     """Resumes the writers that know how (see `JsonlWriter.resume`)."""
-    self._call_all("resume", global_step, skip_missing=True)
+    self._call_all("resume", global_step, skip_missing=True, **kwargs)
 
   def close(self) -> None:
     self._call_all("close")
@@ -623,7 +646,7 @@ class AsyncWriter:
   def write_texts(self, global_step: int, texts: Mapping[str, str]) -> None:
     self._submit(_write, self._writer.write_texts, global_step, dict(texts))
 
-  def resume(self, global_step: int) -> None:
+  def resume(self, global_step: int, **kwargs: Any) -> None:
     """Has the wrapped writer drop what an interrupted run wrote past
     `global_step` (see `JsonlWriter.resume`, `TensorBoardWriter.resume`).
 
@@ -631,7 +654,7 @@ class AsyncWriter:
     run's start does not wait for TensorFlow's import, which precedes it.
     """
     if hasattr(self._writer, "resume"):
-      self._submit(self._writer.resume, global_step)
+      self._submit(functools.partial(self._writer.resume, **kwargs), global_step)
 
   def flush(self) -> None:
     """Blocks until every earlier write is on disk.

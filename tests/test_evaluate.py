@@ -1,5 +1,6 @@
 """The evaluation loop and best-metric checkpointing."""
 
+import json
 import os
 import threading
 
@@ -9,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxline_ng import base_config, checkpointing, experiment, train, utils
+from jaxline_ng import base_config, checkpointing, experiment, train, utils, writers
 
 
 def make_config(**overrides):
@@ -251,3 +252,28 @@ def test_an_evaluator_follows_a_checkpointer_that_overwrites_one_file(tmp_path):
   train.evaluate(Scripted, make_config(), checkpointer, None, jaxline_mode="eval",
                  poll_interval_secs=0.01, stop_waiting=next_save_or_stop)
   assert [(step, w) for step, _, w in Scripted.calls] == [(4, 4.0), (10, 10.0)]
+
+
+def test_an_eval_job_sets_an_earlier_runs_rows_aside_and_redoes_its_own(tmp_path):
+  # An earlier run evaluated up to step 500; this one restarted afresh and has
+  # a checkpoint at step 60: those rows are kept aside, not cut.
+  path = tmp_path / "metrics.jsonl"
+  earlier = b"".join(b'{"step": %d, "metric/score": 0.5}\n' % step for step in range(20, 501, 20))
+  path.write_bytes(earlier)
+  Scripted.SCORES = {60: 0.1}
+  config = make_config(one_off_evaluate=True)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  save_latest(checkpointer, 60)
+  writer = writers.JsonlWriter(str(path))
+  train.evaluate(Scripted, config, checkpointer, writer, jaxline_mode="eval")
+  writer.close()
+  aside = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.")]
+  assert len(aside) == 1 and aside[0].read_bytes() == earlier
+  assert [row["step"] for row in map(json.loads, path.read_text().splitlines())] == [60]
+
+  # Its own row of that step, as when the job is restarted over the same checkpoint, is redone.
+  writer = writers.JsonlWriter(str(path))
+  train.evaluate(Scripted, config, checkpointer, writer, jaxline_mode="eval")
+  writer.close()
+  assert [row["step"] for row in map(json.loads, path.read_text().splitlines())] == [60]
+  assert len([p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.")]) == 1

@@ -620,6 +620,34 @@ def test_a_start_from_step_0_sets_an_earlier_runs_rows_aside(tmp_path, caplog):
   assert "held 2 rows of an earlier run" in caplog.text and str(aside[0]) in caplog.text
 
 
+def test_a_metrics_file_deleted_under_the_run_is_one_line_naming_it(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  writer = writers.JsonlWriter(str(path))
+  writer.write_scalars(1, {"loss": 0.5})
+  writer.flush()
+  path.unlink()
+  writer.write_scalars(2, {"loss": 0.5})
+  with pytest.raises(writers.MetricsWriteError,
+                     match=f"cannot write {path}: deleted while the run was writing it"):
+    writer.flush()
+
+
+def test_set_asides_in_the_same_second_each_keep_their_rows(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  for step in (10, 20, 30):
+    path.write_bytes(b'{"step": %d, "loss": 0.5}\n' % step)
+    writers.JsonlWriter(str(path)).resume(0)
+  aside = sorted(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl."))
+  assert aside == [b'{"step": %d, "loss": 0.5}\n' % step for step in (10, 20, 30)]
+
+
+def test_a_resume_it_cannot_read_or_cut_is_one_line_naming_the_file(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.mkdir()
+  with pytest.raises(writers.MetricsWriteError, match=f"cannot write {path}: Is a directory"):
+    writers.JsonlWriter(str(path)).resume(5)
+
+
 def test_async_resume_runs_before_the_writes_after_it(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_bytes(b'{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n')
