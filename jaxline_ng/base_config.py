@@ -243,7 +243,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   # published configs use -1 so: kept, but said, as a preempted run would pay
   # for a typo there with every step since its start.
   for key, none_allowed in (("log_tensors_interval", True), ("log_train_data_interval", True),
-                            ("save_checkpoint_interval", False)):
+                            ("save_checkpoint_interval", False),
+                            ("eval_poll_interval_secs", False)):
     value = config[key]
     if value is None and none_allowed:
       continue

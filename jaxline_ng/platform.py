@@ -129,12 +129,16 @@ _report_config_errors_in_one_line(FLAGS["config"])
 
 def check_mode(mode: str) -> None:
   """Raises ConfigError unless `mode` is one the platform runs."""
-  if mode in ("train", "eval", TRAIN_EVAL_MULTITHREADED) or (
-      mode.startswith("eval_") and mode != "eval_"):  # The name goes into directory names.
+  # An eval job's name is a directory name (its logs, its `best` series): one
+  # with a path in it would write elsewhere, even into training's series.
+  if mode in ("train", "eval", TRAIN_EVAL_MULTITHREADED) or _EVAL_NAME.fullmatch(mode):
     return
   raise base_config.ConfigError(
-      f"--jaxline_mode={mode!r} is not a mode; expected train, eval, eval_<name> "
-      f"or {TRAIN_EVAL_MULTITHREADED}")
+      f"--jaxline_mode={mode!r} is not a mode; expected train, eval, eval_<name> (letters, "
+      f"digits, '_', '-', '.') or {TRAIN_EVAL_MULTITHREADED}")
+
+
+_EVAL_NAME = re.compile(r"eval_(?!\.)[\w.-]+")
 
 
 def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:

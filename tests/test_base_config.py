@@ -92,6 +92,7 @@ def test_missing_base_key_is_named():
     ("save_checkpoint_interval", None, "save_checkpoint_interval"),
     ("log_tensors_interval", -1, "log_tensors_interval"),
     ("log_train_data_interval", -0.5, "log_train_data_interval"),
+    ("eval_poll_interval_secs", -1, "eval_poll_interval_secs"),  # A waiting job would spin.
 ])
 def test_malformed_values_name_the_key(key, value, culprit):
   config = base_config.get_base_config()

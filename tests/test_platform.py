@@ -286,7 +286,9 @@ def test_a_disk_run_says_it_does_not_restore_snapshots_seeded_in_memory(tmp_path
 
 @pytest.mark.parametrize("mode, runs", [("train", True), ("eval", True), ("eval_holdout", True),
                                         ("train_eval_multithreaded", True), ("eval_", False),
-                                        ("evaluate", False)])
+                                        ("evaluate", False), ("eval_test-2.v1", True),
+                                        # Its logs and `best` series would land elsewhere.
+                                        ("eval_x/../../outside", False), ("eval_..", False)])
 def test_check_mode_takes_the_modes_and_an_eval_job_with_a_name(mode, runs):
   if runs:
     platform.check_mode(mode)
