@@ -14,7 +14,6 @@ import contextlib
 import errno
 import functools
 import io
-import itertools
 import json
 import math
 import os
@@ -470,18 +469,17 @@ class JsonlWriter:
         os.fsync(f.fileno())
 
   def _set_aside(self, global_step: int) -> None:
-    aside = f"{self._path}.{time.strftime('%Y%m%dT%H%M%S')}"
-    taken = aside
-    for n in itertools.count(1):  # Never onto an earlier set-aside of the same second.
-      if not os.path.exists(taken):
-        break
-      taken = f"{aside}.{n}"
-    os.replace(self._path, taken)
-    with open(taken, "rb") as f:
+    aside = stamped = f"{self._path}.{time.strftime('%Y%m%dT%H%M%S')}"
+    copies = 0
+    while os.path.exists(aside):  # Never onto an earlier set-aside of the same second.
+      copies += 1
+      aside = f"{stamped}.{copies}"
+    os.replace(self._path, aside)
+    with open(aside, "rb") as f:
       rows = sum(1 for _ in f)
     logging.warning("[jaxline_ng] %s held %d rows of an earlier run, which go past step %d "
                     "where this one goes on: they are now in %s.",
-                    self._path, rows, global_step, taken)
+                    self._path, rows, global_step, aside)
 
   def close(self) -> None:
     if self._closed:
