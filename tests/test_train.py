@@ -532,6 +532,8 @@ def test_overridden_snapshot_state_is_copied_before_donation():
 def test_describe_state_counts_one_copy_of_replicated_state():
   module = Donating("train", None)
   assert experiment.describe_state(module) == "params: 4 values, 16 bytes"
+  module._params = None  # pylint: disable=protected-access  (built by the first step)
+  assert experiment.describe_state(module) == "params: not built yet"
 
 
 class DonatingNonBroadcast(Donating):
