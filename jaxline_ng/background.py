@@ -2,11 +2,12 @@
 
 The metric writer, the disk checkpointer's saves and `make_async` run on
 workers. A call's error is logged with its traceback, the calls queued after
-it are skipped, and every later `submit`, `wait` and `close` raises it on the
-caller's thread, so a failure cannot pass unnoticed. Work is handed over only
-through `queue.SimpleQueue`, whose `put` is re-entrant, so `close` may run in a
-signal handler that interrupted a `submit` or `wait` (a `ThreadPoolExecutor`
-takes locks there, and would deadlock).
+it are skipped, and every later `submit`, `wait`, `close` and
+`raise_if_failed` raises it on the caller's thread, so a failure cannot pass
+unnoticed. Work is handed over only through `queue.SimpleQueue`, whose `put`
+is re-entrant, so `close` may run in a signal handler that interrupted a
+`submit` or `wait` (a `ThreadPoolExecutor` takes locks there, and would
+deadlock).
 """
 
 import concurrent.futures
@@ -78,7 +79,7 @@ class Worker:
     """
     if self._slots is not None:
       self._take(self._slots)
-    self._raise_if_failed()
+    self.raise_if_failed()
     future: concurrent.futures.Future = concurrent.futures.Future()
     self._calls.put((future, fn, args, kwargs))
     self._start_thread()
@@ -104,7 +105,7 @@ class Worker:
       The first error of any call so far (see `raise_as`).
     """
     self._drain()
-    self._raise_if_failed()
+    self.raise_if_failed()
 
   def close(self) -> None:
     """Lets the calls submitted so far finish, then ends the thread; again, only re-raises.
@@ -115,7 +116,7 @@ class Worker:
     self._calls.put(_STOP)
     if self._thread.ident is not None:  # Else nothing was ever submitted.
       self._thread.join()
-    self._raise_if_failed()
+    self.raise_if_failed()
 
   def _drain(self) -> None:
     if self._thread.ident is None:
@@ -133,7 +134,8 @@ class Worker:
       except queue.Empty:
         pass
 
-  def _raise_if_failed(self) -> None:
+  def raise_if_failed(self) -> None:
+    """Raises the first error of any call so far (see `raise_as`), without waiting."""
     if self._errors:
       error = self._errors[0]
       if self._raise_as is None:

@@ -59,6 +59,7 @@ def make_async(thread_name_prefix: str = ""):
       return worker.submit(fn, *args, **kwargs)
 
     call.wait = worker.wait
+    call.raise_if_failed = worker.raise_if_failed
     return call
 
   return decorator
@@ -163,6 +164,10 @@ class PeriodicAction:
         self._prev_time is None or t - self._prev_time >= self._interval)
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
+    if self._run_async:
+      # A failure on the background thread (scalars logging found unloggable)
+      # stops the loop now, not at the next due step, an interval later.
+      self._act_in_background.raise_if_failed()
     self._last_seen = (t, step, scalars)
     if self.log_all_data:
       self._unlogged.append((step, scalars))

@@ -309,22 +309,24 @@ def test_step_returning_what_cannot_be_logged_stops_at_that_step_naming_it(retur
 
 
 def test_a_later_step_returning_what_cannot_be_logged_stops_when_it_is_logged():
-  """After the first step, outputs are checked where logging reads them, naming the key."""
+  """After the first step, outputs are checked where logging reads them, naming the key;
+  the run stops then, not an interval later at the next logged step (port14)."""
   from jaxline_ng import checkpointing, train  # pylint: disable=import-outside-toplevel
   steps = []
 
   def step(self, global_step, rng, writer):
     steps.append(int(global_step[0]))
+    time.sleep(0.001)
     return {"loss": 1.0, **({"phase": np.complex64(1j)} if len(steps) >= 3 else {})}
 
   cls, config = toy_variant(step=step)
-  config.training_steps = 50
+  config.training_steps = 10_000
   config.interval_type = "steps"
-  config.log_tensors_interval = 5
+  config.log_tensors_interval = 1000
   with pytest.raises(train.ScalarsError) as raised:
     train.train(cls, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
   assert str(raised.value).startswith("step() returned scalar 'phase' that has dtype complex64")
-  assert 3 <= len(steps) < 50
+  assert 1000 <= len(steps) < 1500
 
 
 def evaluate_variant(tmp_path, evaluate):
