@@ -429,27 +429,35 @@ def key_value_try_get(key: str) -> str | None:
 
 
 # Each process's launch (mode and config), as `check_same_launch` publishes it.
-_LAUNCH_KEY = "launch/{}"  # A `run_key`.
-
-
 def check_same_launch(launch: dict[str, Any]) -> None:
   """Raises MultihostError naming the keys where this process's `launch` (JSON-safe
   `{key: value}`: the mode, the flattened config) differs from process 0's.
 
   Processes launched differently run different steps and collectives, and
   would wait on each other until a runtime timeout with an error that names
-  nothing. Process 0 publishes its launch and goes on; each other process
-  compares, and gives up waiting when a failure is published (process 0's
-  own is then the news).
+  nothing.
+  """
+  check_same_as_chief("was launched", launch,
+                      "every process of a run takes the same mode and config")
+
+
+def check_same_as_chief(what: str, facts: dict[str, Any], why: str) -> None:
+  """Raises MultihostError naming the keys where this process's `facts`
+  (JSON-safe `{key: value}`) differ from process 0's: "process 1 {what}
+  unlike process 0: ...; {why}".
+
+  Process 0 publishes its facts and goes on; each other process compares,
+  and gives up waiting when a failure is published (process 0's own is
+  then the news). Each `what` is checked once per run.
   """
   if not is_multiprocess():
     return
-  published = json.dumps(launch, sort_keys=True)
+  key = run_key("as_chief/" + what.replace(" ", "_"))
+  published = json.dumps(facts, sort_keys=True)
   if is_chief():
-    key_value_set(run_key(_LAUNCH_KEY.format(0)), published)
+    key_value_set(key, published)
     return
-  chiefs = key_value_wait(run_key(_LAUNCH_KEY.format(0)),
-                          give_up=lambda: published_failure() is not None)
+  chiefs = key_value_wait(key, give_up=lambda: published_failure() is not None)
   if chiefs is None:
     return
   mine, chiefs = json.loads(published), json.loads(chiefs)  # Both as JSON reads them.
@@ -460,8 +468,7 @@ def check_same_launch(launch: dict[str, Any]) -> None:
                       f"{chiefs.get(key, '<absent>')!r})" for key in differing[:3])
     more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
     raise MultihostError(
-        f"process {jax.process_index()} was launched unlike process 0: {shown}{more}; every "
-        "process of a run takes the same mode and config")
+        f"process {jax.process_index()} {what} unlike process 0: {shown}{more}; {why}")
 
 
 # Written by each process about to exit because a process failed.

@@ -426,6 +426,7 @@ def main(experiment_class, argv: Sequence[str],
     # JAX takes process 0's count when others give another: a wrong count is named too.
     multihost.check_same_launch({
         "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
+        "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
         **{f"config.{key}": value for key, value in run_record.flat_config(config).items()}})
     check_tpu_flags()
     enable_compilation_cache(config)

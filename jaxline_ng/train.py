@@ -357,6 +357,11 @@ def train(experiment_class, config, checkpointer, writer,
     if keeps_run_facts:
       _check_resumed_config(getattr(state, "run_config", None), run_config,
                             config.strict_resume_config)
+  # Processes that see different checkpoints (a checkpoint_dir not shared)
+  # would train together from different steps, and wait on each other's saves.
+  multihost.check_same_as_chief(
+      "resumed", {"from step": int(state.global_step)},
+      "every process must see the same checkpoints: give them one shared checkpoint_dir")
   if keeps_run_facts:
     state.run_config = run_config
   if writer is not None and hasattr(writer, "resume"):

@@ -296,3 +296,32 @@ def test_platform_main_twice_in_one_program_and_a_rerun_of_a_finished_run(tmp_pa
   restored = [line for line in result.stdout.splitlines() if "Restored checkpoint" in line]
   assert sorted(line.split()[0] for line in restored) == ["[p0]", "[p1]"]
   assert final_params(tmp_path / "run")[0] == 6
+
+
+def test_processes_that_see_different_checkpoints_stop_at_once_naming_the_dir(tmp_path):
+  # A checkpoint_dir on a disk each host has its own of: process 1 sees no checkpoint.
+  single_process(toy(tmp_path, "--config.training_steps=20"))
+  script = tmp_path / "own_disk.py"
+  script.write_text(
+      "import os, runpy, sys\n"
+      "from jaxline_ng import disk_checkpointing\n"
+      "if os.environ['JAX_PROCESS_ID'] == '1':\n"
+      "  disk_checkpointing.DiskCheckpointer.can_be_restored = lambda self, series: False\n"
+      f"sys.argv = [{TOY!r}] + sys.argv[1:]\n"
+      f"runpy.run_path({TOY!r}, run_name='__main__')\n")
+  result = launch([sys.executable, str(script), *toy(tmp_path, "--config.training_steps=40")[2:]],
+                  timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  assert ("[p1] jaxline_ng: error: process 1 resumed unlike process 0: from step=0 (process 0: "
+          "20); every process must see the same checkpoints: give them one shared "
+          "checkpoint_dir") in result.stdout, result.stdout[-4000:]
+  assert disk_checkpointing.read(str(tmp_path))[0] == 20  # Nothing trained on.
+
+
+def test_processes_with_different_device_counts_stop_at_once_naming_them(tmp_path):
+  command = " ".join(toy(tmp_path))
+  result = launch(["sh", "-c", "XLA_FLAGS=--xla_force_host_platform_device_count="
+                   f"$((2 + 2 * JAX_PROCESS_ID)) exec {command}"], timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  assert ("[p1] jaxline_ng: error: process 1 was launched unlike process 0: local devices=4 "
+          "(process 0: 2)") in result.stdout, result.stdout[-4000:]
