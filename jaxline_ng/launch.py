@@ -14,11 +14,14 @@ passed on to every process as SIGTERM.
 The processes of a jaxline_ng run end together (`jaxline_ng.multihost`):
 the launcher waits for all of them and exits with 75 when the run was
 stopped on request (every process exited 75), with the code of the process
-that failed first otherwise, and 0 when every process did. Processes still
-running well after another ended are stopped.
+that failed first otherwise (128 + N for a death by signal N, as shells
+report it), and 0 when every process did. Processes still running well after
+another ended are stopped; on Linux, a launcher killed outright (`kill -9`)
+leaves none running: each gets SIGTERM, saves and exits 75.
 """
 
 import argparse
+import ctypes
 import os
 import re
 import signal
@@ -27,6 +30,18 @@ import subprocess
 import sys
 import threading
 import time
+
+# Loaded here, not in the forked child, which may only make the call itself.
+_LIBC = ctypes.CDLL(None) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_the_launcher() -> None:
+  """In each child, before it runs: SIGTERM when the launcher dies. Processes
+  that outlived a `kill -9` of their launcher held the run's lock against the
+  rerun a scheduler starts."""
+  _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
 
 # How long stopped processes get to exit on SIGTERM before SIGKILL. Short: a
 # process whose peer died may wait on a collective that will never complete.
@@ -132,8 +147,9 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     # In a process group of its own: a Ctrl-C at the terminal reaches the
     # launcher alone, which passes it on once (a second signal to a process
     # means "exit now, without saving").
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, bufsize=1, process_group=0)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        bufsize=1, process_group=0, preexec_fn=_stop_with_the_launcher if _LIBC else None)
     processes.append(process)
     relay = threading.Thread(
         target=_relay, args=(process.stdout, f"[p{index}]", sys.stdout, lock, named_failures),
@@ -206,7 +222,8 @@ def main(argv=None) -> int:
     parser.error("give the command to run after --")
   if args.num_processes < 1 or args.devices_per_process < 1:
     parser.error("--num_processes and --devices_per_process must be >= 1")
-  return launch(command, args.num_processes, args.devices_per_process, args.port)
+  code = launch(command, args.num_processes, args.devices_per_process, args.port)
+  return code if code >= 0 else 128 - code  # -9 (a SIGKILL) is 137, as shells say.
 
 
 if __name__ == "__main__":

@@ -351,3 +351,28 @@ def test_the_launcher_exits_75_only_when_every_process_stopped_on_request(codes,
   processes = [_Ended(code) for code in codes]
   assert launch_lib._run_exit_code(  # pylint: disable=protected-access
       processes, dict(enumerate(ended_at)), named) == expected
+
+
+def test_processes_of_a_launcher_killed_outright_stop_saved(tmp_path):
+  # A scheduler's kill -9 of the launcher: processes left running held the
+  # run's lock against the rerun.
+  launch = Launch(toy(tmp_path, PACED, "--config.training_steps=100000"))
+  pids = [launch.pid(0), launch.pid(1)]
+  launch.wait_for(r"^\[p0\] .*step (3\d|[4-9]\d|\d\d\d)/")
+  launch.process.kill()
+  deadline = time.monotonic() + 60
+  while any(map(running, pids)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(map(running, pids))
+  step, _ = latest(tmp_path)
+  rows = (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
+  assert 30 <= step == int(re.search(r'"step": (\d+)', rows[-1]).group(1))
+
+
+def running(pid: int) -> bool:
+  """Whether `pid` runs (a zombie nobody reaped yet has ended)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
