@@ -119,6 +119,12 @@ def initialize_if_requested() -> bool:
       raise MultihostError(
           f"--jaxline_process_id={_PROCESS_ID.value} must be in [0, {num_processes}) "
           "(or set $JAX_PROCESS_ID)")
+    host = _COORDINATOR.value.rpartition(":")[0].strip("[]")
+    try:  # JAX would retry a name that does not resolve for its whole timeout.
+      socket.getaddrinfo(host, int(port))
+    except OSError as e:
+      raise MultihostError(f"--jaxline_coordinator_address={_COORDINATOR.value}: cannot "
+                           f"resolve {host!r}: {e.strerror or e}") from None
   if jax.distributed.is_initialized():
     # An earlier `platform.main` call of this program started it (JAX starts
     # it once a process); process 0's own coordinator holds the port now.

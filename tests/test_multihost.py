@@ -210,6 +210,10 @@ def test_a_process_given_another_process_count_stops_at_once_naming_the_flag(tmp
       "--jaxline_coordinator_address=localhost:99999"],
      "--jaxline_coordinator_address=localhost:99999 must be host:port, the port in 1..65535"),
     (["JAX_NUM_PROCESSES=abc"], "$JAX_NUM_PROCESSES='abc' is not an integer"),
+    # JAX retried the name for its whole 300 s timeout, then aborted.
+    (["--jaxline_num_processes=2", "--jaxline_process_id=1",
+      "--jaxline_coordinator_address=nohost.invalid:24040"],
+     "--jaxline_coordinator_address=nohost.invalid:24040: cannot resolve 'nohost.invalid'"),
 ])
 def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
   """Each ran silently as a single process (or failed in JAX with a traceback)."""
