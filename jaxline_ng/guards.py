@@ -41,6 +41,8 @@ POLICIES = ("halt", "warn", "off")
 # Steps whose scalars may wait for a check; past this, the loop reads the
 # newest step's scalars itself (one read per this many steps).
 MAX_UNCHECKED = 1000
+# Under "warn", the first this many non-finite steps are each logged.
+_WARN_EACH = 10
 # PeerChecks' keys: the chief's n-th save announces its step, every other
 # process answers with its verdict.
 _SAVE_KEY = "save/{}"  # `multihost.run_key`s.
@@ -97,6 +99,7 @@ class NonFiniteGuard(periodic.EveryStepAction):
     # at once; each step is examined once, so "warn" logs it once.
     self._report_lock = threading.Lock()
     self._reported_through = -1
+    self._warned = 0  # Non-finite steps reported under "warn".
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     self._newest_step = step
@@ -216,7 +219,14 @@ class NonFiniteGuard(periodic.EveryStepAction):
     message = (f"non-finite training scalars {', '.join(bad)} at step {step} "
                f"(the step called with global_step={step - 1})")
     if self._policy == "warn":
-      logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn').", message)
+      # Each of the first few, then at 100, 1000, ... of them: a run that stays
+      # non-finite would otherwise log a line at every step.
+      self._warned += 1
+      if self._warned <= _WARN_EACH or str(self._warned).rstrip("0") == "1":
+        logging.warning("[jaxline_ng] %s; continuing (non_finite_policy='warn'; non-finite "
+                        "step %d of the run%s).", message, self._warned,
+                        "" if self._warned < _WARN_EACH else ", the next reported at the "
+                        f"{10 ** len(str(self._warned))}th")
       return
     self._failed_step = step
     self._failure = NonFiniteError(

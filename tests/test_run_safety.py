@@ -144,6 +144,18 @@ def test_warn_logs_each_bad_step_once_when_two_checks_cover_it(caplog):
   assert caplog.text.count("at step 4 ") == 1
 
 
+def test_warn_logs_the_first_bad_steps_then_every_power_of_ten(caplog):
+  # A run that stays non-finite logged a line at every step.
+  guard = guards.NonFiniteGuard("warn")
+  for step in range(1, 1001):
+    guard(0.0, step, {"loss": float("nan")})
+    guard.check()
+  warned = [line for line in caplog.text.splitlines() if "non_finite_policy='warn'" in line]
+  assert len(warned) == 12
+  assert "at step 100 " in warned[10] and "at step 1000 " in warned[11]
+  assert "non-finite step 10 of the run, the next reported at the 100th" in warned[9]
+
+
 def test_a_nan_on_another_device_is_named_once_it_reaches_the_first():
   guard = guards.NonFiniteGuard("halt")
   only_last = np.ones(jax.local_device_count(), np.float32)
