@@ -42,6 +42,8 @@ _notice_through_jax = [False]
 # the stop request itself is consumed), so a second signal is recognised in
 # every phase. Cleared only by `stop_on_signals`.
 _signalled = threading.Event()
+# Signals that arrive this close together are read as one batch (`_watch_signals`).
+_AT_ONCE_SECS = 0.002
 
 
 class Preempted(Exception):
@@ -111,11 +113,13 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
   the signal came, so this thread reads it and acts.
   """
   while data := os.read(read_fd, 64):
-    # What arrived while this thread woke is read with it: a signal delivered
+    # What arrives within `_AT_ONCE_SECS` is read with it: a signal delivered
     # twice at once is one request (coreutils' `timeout` signals its child and
     # then its process group, microseconds apart; acting on the second as a
-    # second signal exited without the final save).
-    while select.select([read_fd], [], [], 0)[0] and (more := os.read(read_fd, 64)):
+    # second signal exited without the final save). A person, or a program
+    # that waits for the first to be acted on, sends a second one later.
+    while (select.select([read_fd], [], [], _AT_ONCE_SECS)[0]
+           and (more := os.read(read_fd, 64))):
       data += more
     if forward_fd != -1:  # Whoever set the wake-up fd before still hears of every signal.
       with contextlib.suppress(OSError):

@@ -230,8 +230,8 @@ def test_one_sigterm_delivered_twice_at_once_still_saves(tmp_path):
                    script=script))
   assert result.returncode == 75, result.stderr[-3000:]
   assert "Second SIGTERM" not in result.stderr
-  assert "stopped by SIGTERM after step 11" in result.stderr
-  assert disk_checkpointing.read(str(tmp_path))[0] == 11
+  stopped_at = int(result.stderr.split("stopped by SIGTERM after step ")[1].split()[0].strip(":"))
+  assert stopped_at >= 11 and disk_checkpointing.read(str(tmp_path))[0] == stopped_at
 
 
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
