@@ -5,7 +5,9 @@ in flight, `train` saves `latest`, waits for the save, flushes the writers,
 and the process exits with `EXIT_PREEMPTED`. A second signal, in any phase
 (the final save and flush included), exits at once, also with
 `EXIT_PREEMPTED`; a checkpoint being written then is left incomplete and
-ignored on restore. A signal delivered twice at once counts once.
+ignored on restore. Signals that arrive together (a signal delivered twice,
+SIGTERM with SIGINT) count once, and one arriving as a stopped process
+exits keeps its exit code 75.
 
 The loop learns of the request through a periodic action (`StopCheck`), so
 experiments that override `train_loop` stop too, as long as they call their
@@ -124,9 +126,10 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
     if forward_fd != -1:  # Whoever set the wake-up fd before still hears of every signal.
       with contextlib.suppress(OSError):
         os.write(forward_fd, data)
-    for signum in dict.fromkeys(data):
-      if signum in handled:
-        _act_on_signal(signum)
+    # One request per batch: SIGTERM and SIGINT sent together (a scheduler's
+    # and a terminal's) are not a second signal either.
+    for signum in [signum for signum in data if signum in handled][:1]:
+      _act_on_signal(signum)
 
 
 # While `stop_on_signals` holds the handlers: (the handlers it replaced, the
@@ -151,6 +154,12 @@ def _noted(signum, frame) -> None:
     signal.set_wakeup_fd(current)  # Its owner keeps it; signals keep coming here.
   if signum in replaced:
     _act_on_signal(signum)
+
+
+def _exit_preempted(signum, frame) -> None:
+  """A signal after the run was stopped by one: exit 75 now, as a second signal does."""
+  del signum, frame
+  os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
 
 
 def _release_in_forked_child() -> None:
@@ -191,7 +200,7 @@ def stop_on_signals(sigterm_to_jax: bool = False):
   previous = {}
   for signum in (signal.SIGINT,) if sigterm_to_jax else (signal.SIGTERM, signal.SIGINT):
     handler = signal.getsignal(signum)
-    if handler in (signal.SIG_DFL, signal.default_int_handler):
+    if handler in (signal.SIG_DFL, signal.default_int_handler, _exit_preempted):
       previous[signum] = signal.signal(signum, _noted)
     else:  # The experiment handles (or ignores) this signal itself, as jaxline let it.
       logging.info("[jaxline_ng] %s keeps the handler installed before platform.main.",
@@ -210,7 +219,9 @@ def stop_on_signals(sigterm_to_jax: bool = False):
     _notice_through_jax[0] = False
     _held[0] = None
     for signum, handler in previous.items():
-      signal.signal(signum, handler)
+      # After a stop a signal asked for, the process exits 75 in a moment: one
+      # more signal must not make that 143 (a scheduler requeues on 75 alone).
+      signal.signal(signum, _exit_preempted if _signalled.is_set() else handler)
     signal.set_wakeup_fd(previous_fd)
     os.close(write_fd)  # The watcher reads the end of the pipe and returns.
     watcher.join()

@@ -234,6 +234,29 @@ def test_one_sigterm_delivered_twice_at_once_still_saves(tmp_path):
   assert stopped_at >= 11 and disk_checkpointing.read(str(tmp_path))[0] == stopped_at
 
 
+def test_sigterm_and_sigint_together_are_one_request_and_a_later_one_still_exits_75(tmp_path):
+  script = experiment_script(tmp_path, (
+      "def __init__(self, mode, init_rng, **kwargs):\n"
+      "  super().__init__(mode, init_rng, **kwargs)\n"
+      "  import atexit, sys, time\n"  # Holds the exit open after the run, for the last signal.
+      "  atexit.register(lambda: (print('at exit now', file=sys.stderr, flush=True),\n"
+      "                           time.sleep(2)))\n"
+      "def step(self, global_step, rng, writer):\n"
+      "  if int(global_step[0]) == 10:\n"
+      "    import os, signal\n"
+      "    os.kill(os.getpid(), signal.SIGTERM)\n"
+      "    os.kill(os.getpid(), signal.SIGINT)\n"
+      "  return super().step(global_step=global_step, rng=rng, writer=writer)\n"))
+  code, stderr, _ = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+          "--config.training_steps=1000", "--config.save_checkpoint_interval=1000",
+          script=script),
+      ["at exit now"])  # Its SIGTERM then reaches the process as it exits, after the run.
+  assert code == 75, stderr[-3000:]
+  assert "Second SIG" not in stderr
+  assert disk_checkpointing.read(str(tmp_path))[0] >= 11
+
+
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
 def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path, to_thread):
   # Only the final save snapshots: periodic saves are off.
