@@ -203,11 +203,12 @@ def describe_state(experiment) -> str:
   per_device = mesh_lib.active_mesh() is None
   parts = []
   for attr, name in [*attrs.items(), *non_broadcast_attrs.items()]:
-    if getattr(experiment, attr, None) is None:
+    value = getattr(experiment, attr, None)
+    if value is None:
       parts.append(f"{name}: not built yet")
       continue
     values = size = 0
-    for leaf in jax.tree.leaves(getattr(experiment, attr)):
+    for leaf in jax.tree.leaves(value):
       shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
       if shape is None or dtype is None:
         continue

@@ -434,7 +434,6 @@ def key_value_try_get(key: str) -> str | None:
     raise
 
 
-# Each process's launch (mode and config), as `check_same_launch` publishes it.
 def check_same_launch(launch: dict[str, Any]) -> None:
   """Raises MultihostError naming the keys where this process's `launch` (JSON-safe
   `{key: value}`: the mode, the flattened config) differs from process 0's.

@@ -128,7 +128,8 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
         os.write(forward_fd, data)
     # One request per batch: SIGTERM and SIGINT sent together (a scheduler's
     # and a terminal's) are not a second signal either.
-    for signum in [signum for signum in data if signum in handled][:1]:
+    signum = next((signum for signum in data if signum in handled), None)
+    if signum is not None:
       _act_on_signal(signum)
 
 
