@@ -272,8 +272,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(
         f"config.max_checkpoints_to_keep={config.max_checkpoints_to_keep!r} must be >= 1")
 
+  # A ratio outside [1, 10) never acts (each decade scales them), but 10 is
+  # allowed: jaxline's own example is (1, 2, 5, 10).
   ratios = config.periodic_action_growth_ratios
-  if ratios is not None and (not ratios or any(not 1 <= r < 10 for r in ratios)):
+  if ratios is not None and (not ratios or any(not 1 <= r <= 10 for r in ratios)):
     raise ConfigError(
         f"config.periodic_action_growth_ratios={ratios!r} must be None or a "
-        "non-empty sequence of numbers in [1, 10)")
+        "non-empty sequence of numbers in [1, 10]")

@@ -109,6 +109,24 @@ def test_zero_and_none_intervals_keep_their_jaxline_meaning():
   base_config.validate_config(config)
 
 
+@pytest.mark.parametrize("ratios,accepted", [
+    ((1, 2, 5, 10), True),  # jaxline's base_config gives this example.
+    ((1, 2, 5), True),
+    ((0.5, 2), False),  # Never acts: each decade scales ratios from [1, 10).
+    ((20,), False),
+    ((), False),
+])
+def test_growth_ratios_accept_jaxlines_example_and_refuse_ones_that_never_act(ratios, accepted):
+  config = base_config.get_base_config()
+  config.interval_type = "steps"
+  config.periodic_action_growth_ratios = ratios
+  if accepted:
+    base_config.validate_config(config)
+  else:
+    with pytest.raises(base_config.ConfigError, match="config.periodic_action_growth_ratios="):
+      base_config.validate_config(config)
+
+
 def test_restore_path_with_in_memory_checkpoints_is_left_to_the_experiment():
   """Published experiments define restore_path for restores of their own."""
   config = base_config.get_base_config()
