@@ -230,8 +230,3 @@ def fresh_copies(tree: Any) -> Any:
 def maybe_device_get(x: Any) -> Any:
   """`jax.device_get(x)` for a JAX array, `x` itself otherwise (jaxline's helper)."""
   return jax.device_get(x) if isinstance(x, jax.Array) else x
-
-
-def tree_psum(tree: Any, axis_name: str) -> Any:
-  """`jax.lax.psum` of every leaf over `axis_name`; call inside pmap/shard_map."""
-  return jax.tree.map(functools.partial(jax.lax.psum, axis_name=axis_name), tree)

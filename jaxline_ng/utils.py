@@ -11,7 +11,7 @@ this module at call time.
 # jaxline's utils module had these as attributes, and tests written for it
 # patch through them: `mock.patch.object(utils.jax, "process_index", ...)`,
 # `mock.patch("jaxline.utils.logging.info")`; `utils.chex` is below.
-import jax  # noqa: F401
+import jax
 from absl import logging  # noqa: F401
 
 from jaxline_ng.checkpointing import (
@@ -22,7 +22,7 @@ from jaxline_ng.checkpointing import (
     get_checkpoint_dir,
 )
 from jaxline_ng.debugging import debugger_fallback, disable_pmap_jit
-from jaxline_ng.devices import bcast_local_devices, get_first, maybe_device_get, tree_psum
+from jaxline_ng.devices import bcast_local_devices, get_first, maybe_device_get
 from jaxline_ng.experiment import evaluate_should_return_dict, kwargs_only, log_activity
 from jaxline_ng.multihost import rendezvous
 from jaxline_ng.periodic import PeriodicAction, make_async
@@ -31,6 +31,9 @@ from jaxline_ng.rng import DistributedRNGMode, host_id_devices_for_rng, speciali
 from jaxline_ng.writers import Writer
 
 GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
+
+# jaxline's name for `jax.lax.psum`, which sums pytrees and takes all its arguments.
+tree_psum = jax.lax.psum
 
 
 def __getattr__(name: str):

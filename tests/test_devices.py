@@ -62,6 +62,14 @@ def test_tree_psum_inside_pmap():
   assert float(utils.get_first(total)["a"]) == jax.local_device_count()
 
 
+def test_tree_psum_takes_psums_arguments_as_jaxlines_did():
+  """jaxline's `tree_psum` is `jax.lax.psum`: keywords and `axis_index_groups` work."""
+  n = jax.local_device_count()
+  total = jax.pmap(lambda t: utils.tree_psum(x=t, axis_name="i", axis_index_groups=None),
+                   axis_name="i")(utils.bcast_local_devices({"a": jnp.ones(())}))
+  assert float(utils.get_first(total)["a"]) == n
+
+
 _add = jax.pmap(lambda x, k: x + k, axis_name="i", in_axes=(0, None))
 
 
