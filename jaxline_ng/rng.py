@@ -64,6 +64,7 @@ def check_random_mode(mode: str, config_key: str) -> None:
 
 def host_id_devices_for_rng(mode: str = "unique_host_unique_device"):
   """The per-device host ids to fold into keys, or None when hosts share keys."""
+  check_random_mode(mode, "random_mode")
   if not mode.startswith("unique_host_"):
     return None
   return np.full((jax.local_device_count(),), jax.process_index(), np.int32)

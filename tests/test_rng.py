@@ -39,6 +39,8 @@ def test_random_mode_relations(monkeypatch, mode, hosts_differ, devices_differ):
 def test_unknown_mode_is_rejected_with_its_name():
   with pytest.raises(ValueError, match="'unique_everything'"):
     rng.StepKeys("unique_everything").next(chain_of(0))
+  with pytest.raises(ValueError, match="'unique_everything'"):  # As jaxline's enum refused it.
+    rng.host_id_devices_for_rng("unique_everything")
   with pytest.raises(ValueError, match="random_mode_eval='unique_everything'"):
     rng.eval_keys(0, "unique_everything")
 
