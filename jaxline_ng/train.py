@@ -258,7 +258,10 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
       log_progress, logging_type, config.log_tensors_interval, start_time=None,
       start_step=start_step, logging_growth_ratios=growth)
 
-  if writer is not None and config.log_train_data_interval is not None:
+  # As in jaxline, a writer given to `train` gets the chief's scalars alone
+  # unless `log_all_hosts` (the platform gives other processes none).
+  if (writer is not None and config.log_train_data_interval is not None
+      and (multihost.is_chief() or config.log_all_hosts)):
 
     def write_scalars(step, values):
       guard.observe(step, values)

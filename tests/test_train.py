@@ -173,6 +173,17 @@ def test_writer_gets_scalars_at_interval_and_final_step():
   assert all(s["steps_per_sec"] > 0 for _, s in writer.scalars)
 
 
+def test_a_non_chief_process_writes_to_the_writer_given_only_with_log_all_hosts(monkeypatch):
+  """As jaxline's train: the write action is the chief's unless `log_all_hosts`."""
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  writer = Recorder()
+  run_counting(make_config(training_steps=4, log_train_data_interval=2), writer)
+  assert writer.scalars == []
+  run_counting(make_config(training_steps=4, log_train_data_interval=2, log_all_hosts=True),
+               writer)
+  assert [step for step, _ in writer.scalars] == [2, 4]
+
+
 def test_log_all_train_data_writes_every_step():
   writer = Recorder()
   run_counting(make_config(training_steps=7, log_train_data_interval=3,
