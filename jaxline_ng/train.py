@@ -688,7 +688,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
     evaluated_step = state.global_step
 
     # --- Evaluate, write, track the best. ---
-    global_step_devices = rng.step_counter(state.global_step)
+    # As jaxline: per-device on the devices (`step` gets a host array, as there).
+    global_step_devices = (
+        rng.step_counter(state.global_step) if mesh_lib.active_mesh() is not None
+        else devices.bcast_local_devices(np.int32(state.global_step)))
     with experiment_lib.log_activity(f"evaluation at step {state.global_step}"):
       scalars = evaluate_fn(global_step=global_step_devices, rng=eval_rng, writer=writer)
     # The row's loggable values are written before a bad one stops the run:

@@ -38,6 +38,8 @@ class Scripted(experiment.AbstractExperiment):
     return {}
 
   def evaluate(self, global_step, rng, writer):
+    # jaxline's evaluate got the step replicated on the devices (`bcast_local_devices`).
+    assert isinstance(global_step, jax.Array) and global_step.shape == (jax.local_device_count(),)
     step = int(utils.get_first(global_step))
     Scripted.calls.append((step, np.asarray(rng), float(utils.get_first(self._w)[0])))
     return {"metric/score": self.SCORES[step], "other": 1.0}
