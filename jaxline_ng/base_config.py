@@ -152,6 +152,20 @@ def check_constraints(config: ml_collections.ConfigDict) -> None:
         f"{config.interval_type!r}: growth ratios need config.interval_type='steps'")
 
 
+def add_keys_beyond_jaxline(config: ml_collections.ConfigDict) -> None:
+  """Adds the base keys jaxline did not have (`KEYS_BEYOND_JAXLINE`) that
+  `config` lacks, with their defaults: a config written for jaxline runs."""
+  added = [key for key in KEYS_BEYOND_JAXLINE if key not in config]
+  if not added:
+    return
+  defaults = get_base_config()
+  with config.unlocked():
+    for key in added:
+      config[key] = defaults.get_ref(key)
+  logging.info("[jaxline_ng] The config has no %s (keys jaxline did not have): "
+               "using their defaults.", ", ".join(added))
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first missing or malformed base key.
 
@@ -168,13 +182,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(
           f"config is missing the base key {key!r}: build configs on "
           "jaxline_ng.base_config.get_base_config()")
-  added = [key for key in KEYS_BEYOND_JAXLINE if key not in config]
-  if added:
-    with config.unlocked():
-      for key in added:
-        config[key] = defaults.get_ref(key)
-    logging.info("[jaxline_ng] The config has no %s (keys jaxline did not have): "
-                 "using their defaults.", ", ".join(added))
+  add_keys_beyond_jaxline(config)
 
   for key in ("interval_type", "logging_interval_type", "checkpoint_interval_type"):
     value = config[key]

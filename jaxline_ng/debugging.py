@@ -34,10 +34,16 @@ def pmap_jit_disabled() -> bool:
   return flags.FLAGS.is_parsed() and _DISABLE_PMAP_JIT.value
 
 
+# Whether a body runs under the switch already (on any thread): chex's patch
+# of `jax.pmap` is process-wide, and `train` under `platform.main` enters twice.
+_entered: list[bool] = []
+
+
 @contextlib.contextmanager
 def eager_if_requested():
-  """Runs the body under `jax.disable_jit()` when the flag asks for it."""
-  if not pmap_jit_disabled():
+  """Runs the body eagerly (chex's fake pmap and jit, and `jax.disable_jit()`)
+  when the flag asks for it; inside a body that already does, as it is."""
+  if not pmap_jit_disabled() or _entered:
     yield
     return
   import chex  # pylint: disable=import-outside-toplevel  (only debugging runs pay its import)
@@ -45,8 +51,12 @@ def eager_if_requested():
       "[jaxline_ng] --jaxline_disable_pmap_jit: pmap and jit run eagerly (pmaps created "
       "before the run, e.g. at import time, op by op: slow). Functions compiled ahead of time "
       "with .lower().compile() still run compiled.")
-  with chex.fake_pmap_and_jit(), jax.disable_jit():
-    yield
+  _entered.append(True)
+  try:
+    with chex.fake_pmap_and_jit(), jax.disable_jit():
+      yield
+  finally:
+    _entered.pop()
 
 
 def disable_pmap_jit(fn):

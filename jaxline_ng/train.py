@@ -23,6 +23,7 @@ from absl import logging
 from jaxline_ng import (
   base_config,
   checkpointing,
+  debugging,
   devices,
   guards,
   multihost,
@@ -325,6 +326,7 @@ def _flush_metrics(write: periodic.PeriodicAction | None, writer,
   flush_if_possible(writer)
 
 
+@debugging.disable_pmap_jit  # As jaxline's: for callers other than platform.main.
 def train(experiment_class, config, checkpointer, writer,
           periodic_actions: Sequence[periodic.PeriodicAction] = ()) -> None:
   """Trains `experiment_class` until its `should_run_step` says stop.
@@ -335,6 +337,7 @@ def train(experiment_class, config, checkpointer, writer,
   (`preemption`), the loop ends after the current step, the state is saved
   and flushed as at a normal end, and `preemption.Preempted` is raised.
   """
+  base_config.add_keys_beyond_jaxline(config)
   save_checkpoints = (multihost.is_chief() or config.train_checkpoint_all_hosts
                       or _every_process_saves(checkpointer))
   _check_saves_agree(config, checkpointer)
@@ -586,6 +589,7 @@ def _check_best_metric(config, scalars: Mapping[str, Any]) -> None:
         f"evaluate returned: {sorted(scalars)}")
 
 
+@debugging.disable_pmap_jit  # As jaxline's: for callers other than platform.main.
 def evaluate(experiment_class, config, checkpointer, writer,
              jaxline_mode: str | None = None, *,
              poll_interval_secs: float = EVAL_POLL_SECS,
@@ -604,6 +608,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   request (`preemption`) ends it after the evaluation in progress, or at
   once while it waits, by raising `preemption.Preempted`.
   """
+  base_config.add_keys_beyond_jaxline(config)
   if jaxline_mode is None:
     from absl import flags  # Only the command-line path reads the flag.
     jaxline_mode = flags.FLAGS.jaxline_mode
@@ -841,6 +846,7 @@ def _stop_evaluating() -> bool:
   return multihost.key_value_try_get(multihost.run_key(_EVAL_STOP_KEY)) is not None
 
 
+@debugging.disable_pmap_jit  # As jaxline's: for callers other than platform.main.
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
                              eval_writer=None, eval_checkpointer=None) -> None:
   """Trains on a background thread while the main thread evaluates.

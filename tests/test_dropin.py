@@ -532,3 +532,62 @@ def test_experiment_kwargs_the_constructor_does_not_take_are_one_line_naming_the
     train.train(TakesConfig, make_config(experiment_kwargs=config_dict.ConfigDict(kwargs)),
                 utils.InMemoryCheckpointer(make_config(), "train"), None)
   assert "config.experiment_kwargs" in str(raised.value) and raised.value.one_line
+
+
+# jaxline 0.0.8's `get_base_config()`: a config built to it (by hand, or
+# saved from a jaxline run) has these keys and no others.
+JAXLINE_BASE_CONFIG = dict(
+    experiment_kwargs={}, training_steps=2, interval_type="secs", save_checkpoint_interval=300,
+    log_tensors_interval=60, periodic_action_growth_ratios=None, log_train_data_interval=120.0,
+    log_async=True, log_all_hosts=False, logging_interval_type=None,
+    checkpoint_interval_type=None, save_initial_train_checkpoint=False,
+    train_checkpoint_all_hosts=False, best_checkpoint_all_hosts=False, log_all_train_data=False,
+    eval_initial_weights=False, one_off_evaluate=False, max_checkpoints_to_keep=5,
+    random_seed=42, random_mode_train="unique_host_unique_device",
+    random_mode_eval="same_host_same_device", legacy_random_seed_behavior=False,
+    best_model_eval_metric="", best_model_eval_metric_higher_is_better=True)
+
+
+class PmapInInit(experiment.AbstractExperiment):
+  """Records what the pmap it builds in `__init__` is handed: a tracer's type."""
+  seen = []
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._add = jax.pmap(lambda x: (PmapInInit.seen.append(type(x).__name__), x + 1)[1],
+                         axis_name="i")
+    self._x = utils.bcast_local_devices(jnp.zeros(()))
+
+  def step(self, **unused):
+    self._x = self._add(self._x)
+    return {"x": utils.get_first(self._x)}
+
+  def evaluate(self, **unused):
+    self._x = self._add(self._x)
+    return {"x": utils.get_first(self._x)}
+
+
+def test_train_and_evaluate_run_a_config_with_only_jaxlines_keys():
+  config = config_dict.ConfigDict(JAXLINE_BASE_CONFIG)
+  train.train(PmapInInit, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest["global_step"] == 2
+  config = config_dict.ConfigDict(JAXLINE_BASE_CONFIG)
+  config.one_off_evaluate = True
+  train.evaluate(PmapInInit, config, checkpointing.InMemoryCheckpointer(config, "eval"), None,
+                 jaxline_mode="eval")
+
+
+def test_disable_pmap_jit_reaches_train_and_evaluate_called_directly(monkeypatch):
+  """jaxline decorated `train` and `evaluate` with `utils.disable_pmap_jit`."""
+  from jaxline_ng import debugging  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(debugging, "pmap_jit_disabled", lambda: True)
+  config = make_config(training_steps=2)
+  PmapInInit.seen = []
+  train.train(PmapInInit, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  # chex's fake pmap is a vmap, called (not traced once) at every step.
+  assert PmapInInit.seen == ["BatchTracer"] * 2
+  PmapInInit.seen = []
+  config.one_off_evaluate = True
+  train.evaluate(PmapInInit, config, checkpointing.InMemoryCheckpointer(config, "eval"), None,
+                 jaxline_mode="eval")
+  assert PmapInInit.seen == ["BatchTracer"]
