@@ -158,7 +158,7 @@ def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
       state.global_step = int(np.ravel(jax.device_get(value))[0])
     elif name == "train_step_rng":
       if value is not None:
-        state.train_step_rng = rng.place_chain(value)
+        state.train_step_rng = rng.place_chain(value, like=getattr(state, "train_step_rng", None))
     else:
       setattr(state, name, value)
 

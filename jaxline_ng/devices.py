@@ -41,6 +41,12 @@ def put_per_device(tree: Any) -> Any:
   return jax.device_put(tree, per_device_sharding())
 
 
+def is_typed_key(value: Any) -> bool:
+  """Whether `value` is an array of typed PRNG keys (`jax.random.key`, or
+  `jax.random.PRNGKey` with `jax_enable_custom_prng`), which NumPy cannot hold."""
+  return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
 def bcast_local_devices(value: Any) -> Any:
   """Replicates a pytree onto every local device, adding a leading device axis.
 
@@ -50,6 +56,8 @@ def bcast_local_devices(value: Any) -> Any:
   num_devices = jax.local_device_count()
 
   def broadcast(leaf):
+    if is_typed_key(leaf):
+      return jnp.broadcast_to(leaf, (num_devices,) + leaf.shape)
     host_value = np.asarray(jax.device_get(leaf))
     return np.broadcast_to(host_value, (num_devices,) + host_value.shape)
 
@@ -230,3 +238,24 @@ def fresh_copies(tree: Any) -> Any:
 def maybe_device_get(x: Any) -> Any:
   """`jax.device_get(x)` for a JAX array, `x` itself otherwise (jaxline's helper)."""
   return jax.device_get(x) if isinstance(x, jax.Array) else x
+
+
+def raw_keys(tree: Any) -> Any:
+  """`tree` with each array of typed PRNG keys replaced by its raw `uint32` data."""
+  return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if is_typed_key(leaf) else leaf,
+                      tree)
+
+
+def keys_like(live: Any, restored: Any) -> Any:
+  """`restored` with raw key data made typed keys again where `live`, the value
+  it replaces, holds typed keys (disk checkpoints hold their raw data)."""
+
+  def like(live_leaf, restored_leaf):
+    if is_typed_key(live_leaf) and not is_typed_key(restored_leaf):
+      return jax.random.wrap_key_data(restored_leaf, impl=jax.random.key_impl(live_leaf))
+    return restored_leaf
+
+  try:
+    return jax.tree.map(like, live, restored)
+  except (TypeError, ValueError):  # Another structure (a leaf built by the first step): as saved.
+    return restored

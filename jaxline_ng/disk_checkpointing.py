@@ -314,11 +314,10 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
   for name, value in _named_entries(nest).items():
     leaves = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-      if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-        raise CheckpointFormatError(
-            f"cannot checkpoint {_entry_name(name, path)}: it is a typed PRNG key array "
-            f"({leaf.dtype}); keep jax.random.key_data(key) in the state and rebuild the "
-            "key with jax.random.wrap_key_data")
+      if devices.is_typed_key(leaf):
+        # Saved as its raw data: restoring makes it typed again where the
+        # live value is (`devices.keys_like`, `rng.place_chain`).
+        leaf = jax.random.key_data(leaf)
       if _is_array(leaf):
         tree_path = _tree_path(name, path)
         node = tree
@@ -776,10 +775,13 @@ def _live_layout(module) -> dict[str, Any]:
 
   # An attribute the first step creates is absent, not None, until then: jaxline
   # restores by setattr, so experiments written for it may leave it out of __init__.
+  # Typed keys are saved as their raw data (`save`), so laid out as it.
   pmap_mode = mesh_lib.active_mesh() is None
-  layout = {name: jax.tree.map(one_copy, getattr(module, attr, None)) if pmap_mode
-            else getattr(module, attr, None) for attr, name in attrs.items()}
-  layout.update({name: getattr(module, attr, None) for attr, name in non_broadcast_attrs.items()})
+  layout = {name: jax.tree.map(one_copy, devices.raw_keys(getattr(module, attr, None)))
+            if pmap_mode else devices.raw_keys(getattr(module, attr, None))
+            for attr, name in attrs.items()}
+  layout.update({name: devices.raw_keys(getattr(module, attr, None))
+                 for attr, name in non_broadcast_attrs.items()})
   return layout
 
 
@@ -962,7 +964,7 @@ class DiskCheckpointer:
     candidates = [path] if path is not None else self._candidates(ckpt_series)
     state = self.get_experiment_state(ckpt_series)
     fresh_run = not _steps(self._read_series_dir(ckpt_series))
-    live = checkpointing.snapshotted_items(state)
+    live = devices.raw_keys(checkpointing.snapshotted_items(state))
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)
     # The experiment's own mode: an evaluator may share the trainer's checkpointer.

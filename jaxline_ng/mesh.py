@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxline_ng import multihost
+from jaxline_ng import devices, multihost
 
 PLACEMENTS = ("pmap", "mesh")
 
@@ -123,6 +123,11 @@ def restore_like(live: Any, saved: Any) -> Any:
   """Places saved host values with the shardings of the live values they replace."""
 
   def put(live_leaf, saved_leaf):
+    if devices.is_typed_key(live_leaf):  # Placed as its raw data, then typed again.
+      saved_data = (jax.random.key_data(saved_leaf) if devices.is_typed_key(saved_leaf)
+                    else saved_leaf)
+      return jax.random.wrap_key_data(put(jax.random.key_data(live_leaf), saved_data),
+                                      impl=jax.random.key_impl(live_leaf))
     if isinstance(live_leaf, jax.Array) and not live_leaf.committed:
       # Made outside jit and never placed (optax's `count`): jit moves it where
       # needed. Put on its one device it would be committed there, and jit

@@ -108,12 +108,21 @@ def seed_keys(random_seed: int, legacy_random_seed_behavior: bool):
   return train_key, init_key
 
 
+def _placed(key, place):
+  """`place(key on the host)`; typed keys are placed as their raw data, then
+  made typed again (NumPy cannot hold them)."""
+  if devices.is_typed_key(key):
+    return jax.random.wrap_key_data(_placed(jax.random.key_data(key), place),
+                                    impl=jax.random.key_impl(key))
+  return place(np.asarray(jax.device_get(key)))
+
+
 def replicate_key(key):
   """One key placed as the run's steps take it: a copy per local device
   (pmap), or one global key replicated over the mesh (mesh mode)."""
   if mesh_lib.active_mesh() is None:
     return devices.bcast_local_devices(key)
-  return mesh_lib.replicate(np.asarray(jax.device_get(key)))
+  return _placed(key, mesh_lib.replicate)
 
 
 # Steps whose keys one dispatch computes. A dispatch costs the training thread
@@ -124,7 +133,9 @@ STEPS_PER_DISPATCH = 32
 
 def _split_once(chain, mode: str, process: int):
   """`(step key, next chain)`: jaxline's split, the step key specialised by `mode`."""
-  if chain.ndim == 1:  # Mesh mode: one global key; per-device keys are the step's business.
+  # Mesh mode: one global key, per-device keys the step's business. A raw key
+  # has a trailing axis of 2 that a typed key lacks.
+  if chain.ndim == (0 if devices.is_typed_key(chain) else 1):
     step_key, next_chain = jax.random.split(chain)
     return _specialize(step_key, _host_part_only(mode), process, 0), next_chain
   children = jax.vmap(jax.random.split)(chain)  # [devices, 2 (step, chain), 2]
@@ -220,20 +231,29 @@ def check_mesh_random_mode(mode: str, config_key: str) -> None:
         "jax.lax.axis_index where keys must differ")
 
 
-def place_chain(value):
+def place_chain(value, like=None):
   """A restored chain key placed for this run's topology.
 
   A chain saved on another number of devices (or in the other placement)
   continues from its first row when all of its rows are equal, as the
   default `initialize_train_step_rng` makes them; per-device chains of an
   overridden `initialize_train_step_rng` resume only on as many devices.
+  The result holds typed keys if `like` (the run's own chain) does, raw
+  ones if it does not; without `like`, as `value` does.
   """
+  typed = like if like is not None else value
+  if devices.is_typed_key(value):
+    value = jax.random.key_data(value)
   value = np.asarray(jax.device_get(value))
   if mesh_lib.active_mesh() is not None:
-    return mesh_lib.replicate(value if value.ndim == 1 else _common_row(value))
-  if value.ndim == 2 and value.shape[0] == jax.local_device_count():
-    return devices.put_per_device(value)
-  return devices.bcast_local_devices(value if value.ndim == 1 else _common_row(value))
+    placed = mesh_lib.replicate(value if value.ndim == 1 else _common_row(value))
+  elif value.ndim == 2 and value.shape[0] == jax.local_device_count():
+    placed = devices.put_per_device(value)
+  else:
+    placed = devices.bcast_local_devices(value if value.ndim == 1 else _common_row(value))
+  if devices.is_typed_key(typed):
+    return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(typed))
+  return placed
 
 
 def _common_row(rows: np.ndarray) -> np.ndarray:
@@ -252,11 +272,11 @@ def eval_keys(random_seed: int, mode: str):
   key = jax.random.PRNGKey(random_seed)
   if mesh_lib.active_mesh() is not None:
     check_mesh_random_mode(mode, "random_mode_eval")
-    return mesh_lib.replicate(np.asarray(
-        _specialize(key, _host_part_only(mode), jax.process_index(), 0)))
+    return _placed(_specialize(key, _host_part_only(mode), jax.process_index(), 0),
+                   mesh_lib.replicate)
   keys = jax.vmap(lambda position: _specialize(key, mode, jax.process_index(), position))(
       jnp.arange(jax.local_device_count()))
-  return devices.put_per_device(np.asarray(keys))
+  return _placed(keys, devices.put_per_device)
 
 
 def step_counter(global_step: int):

@@ -193,3 +193,35 @@ def test_a_save_the_guard_vetoes_is_never_visible_to_a_reader():
   assert seen_during_check == [[1]]
   assert [snapshot.pickle_nest.global_step for snapshot in history] == [1]
   assert checkpointer.restore_path("latest") == 0
+
+
+def test_typed_prng_keys_round_trip_in_memory():
+  """Typed keys (`jax.random.key`) among CHECKPOINT_ATTRS and as the chain
+  are saved and restored typed, as jaxline kept them (on the devices)."""
+
+  class Keys(experiment.AbstractExperiment):
+    CHECKPOINT_ATTRS = {"_keys": "keys"}
+
+    def __init__(self, mode, init_rng=None):
+      super().__init__(mode, init_rng)
+      self._keys = utils.bcast_local_devices(jax.random.key(7))  # Replicated, as pmap keeps it.
+
+    def step(self, **unused):
+      return {}
+
+    def evaluate(self, **unused):
+      return {}
+
+  checkpointer = checkpointing.InMemoryCheckpointer(base_config.get_base_config(), "train")
+  state = checkpointer.get_experiment_state("latest")
+  state.global_step, state.experiment_module = 0, Keys("train")
+  state.train_step_rng = utils.bcast_local_devices(jax.random.key(5))
+  saved = jax.random.key_data(state.experiment_module._keys)
+  checkpointer.save("latest")
+  state.experiment_module._keys = None
+  checkpointer.restore("latest")
+  keys = state.experiment_module._keys
+  assert keys.shape == (jax.local_device_count(),) and jnp.issubdtype(keys.dtype,
+                                                                      jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(keys), saved)
+  assert state.train_step_rng.shape == (jax.local_device_count(),)

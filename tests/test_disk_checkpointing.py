@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxline_ng import base_config, disk_checkpointing, experiment, train, utils, writers
+from jaxline_ng import base_config, devices, disk_checkpointing, experiment, train, utils, writers
 
 Moments = collections.namedtuple("Moments", ["mean", "count"])
 
@@ -119,20 +119,48 @@ def test_unstorable_value_fails_at_first_save_naming_it(tmp_path):
     train.train(Unstorable, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
-def test_typed_prng_key_fails_at_first_save_in_one_line_naming_it(tmp_path):
+class TypedKeys(Rich):
+  """Keeps typed PRNG keys (`jax.random.key`): one per device, and one whole."""
+  CHECKPOINT_ATTRS = {**Rich.CHECKPOINT_ATTRS, "_device_keys": "device_keys"}
+  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_key": "key"}
+  seen_rngs = []
 
-  class TypedKey(Rich):
-    NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_key": "key"}
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._key = jax.random.key(0)
+    self._device_keys = utils.bcast_local_devices(jax.random.key(1))
 
-    def __init__(self, mode, init_rng):
-      super().__init__(mode, init_rng)
-      self._key = jax.random.key(0)
+  def step(self, rng, **kwargs):
+    TypedKeys.seen_rngs.append(jax.random.key_data(rng))
+    self._key = jax.random.split(self._key)[0]
+    self._device_keys = jax.vmap(lambda k: jax.random.split(k)[0])(self._device_keys)
+    return super().step(**kwargs)
 
-  config = disk_config(tmp_path, 3)
-  with pytest.raises(disk_checkpointing.CheckpointFormatError,
-                     match=r"experiment_module/key: it is a typed PRNG key array") as raised:
-    train.train(TypedKey, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
-  assert raised.value.one_line
+
+@pytest.mark.parametrize("custom_prng", [False, True])
+def test_typed_prng_keys_resume_typed_and_exact(tmp_path, custom_prng):
+  """Typed keys are saved as their raw data and come back typed; with
+  `jax_enable_custom_prng` the chain itself is typed (jaxline's train_test)."""
+
+  def run_keys(config):
+    TypedKeys.seen_rngs = []
+    checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+    with jax.enable_custom_prng(custom_prng):
+      train.train(TypedKeys, config, checkpointer, None)
+    return checkpointer.get_experiment_state("latest")
+
+  uninterrupted = run_keys(disk_config(tmp_path / "a", 6))
+  uninterrupted_rngs = TypedKeys.seen_rngs
+  run_keys(disk_config(tmp_path / "b", 3))
+  resumed = run_keys(disk_config(tmp_path / "b", 6))
+  assert len(TypedKeys.seen_rngs) == 3
+  for got, want in zip(TypedKeys.seen_rngs, uninterrupted_rngs[3:]):
+    np.testing.assert_array_equal(got, want)
+  assert devices.is_typed_key(resumed.train_step_rng) == custom_prng
+  module, reference = resumed.experiment_module, uninterrupted.experiment_module
+  for got, want in ((module._key, reference._key), (module._device_keys, reference._device_keys)):
+    assert devices.is_typed_key(got) and got.shape == want.shape
+    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):

@@ -151,3 +151,24 @@ def test_the_step_keys_are_compiled_while_the_experiment_is_constructed(caplog):
   with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
     rng.StepKeys("unique_host_unique_device").next(rng.replicate_key(key))
   assert "_split_steps" not in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["unique_host_unique_device", "same_host_same_device"])
+def test_typed_keys_give_the_same_stream_as_raw_ones(mode):
+  """A typed chain (`jax_enable_custom_prng`, `jax.random.key`) yields typed
+  step keys with the raw chain's data, and restores typed or raw as the run's is."""
+  raw, typed = chain_of(3), devices.bcast_local_devices(jax.random.wrap_key_data(
+      jax.random.PRNGKey(3)))
+  raw_keys, typed_keys = rng.StepKeys(mode), rng.StepKeys(mode)
+  for _ in range(3):
+    raw_rng, raw = raw_keys.next(raw)
+    typed_rng, typed = typed_keys.next(typed)
+    assert devices.is_typed_key(typed_rng) and typed_rng.shape == (jax.local_device_count(),)
+    np.testing.assert_array_equal(jax.random.key_data(typed_rng), raw_rng)
+    np.testing.assert_array_equal(jax.random.key_data(typed), raw)
+  assert devices.is_typed_key(rng.place_chain(np.asarray(raw), like=typed))
+  np.testing.assert_array_equal(rng.place_chain(typed, like=raw), raw)
+  with jax.enable_custom_prng(True):
+    eval_keys = rng.eval_keys(9, mode)
+  assert devices.is_typed_key(eval_keys)
+  np.testing.assert_array_equal(jax.random.key_data(eval_keys), rng.eval_keys(9, mode))
