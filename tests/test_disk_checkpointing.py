@@ -163,6 +163,24 @@ def test_typed_prng_keys_resume_typed_and_exact(tmp_path, custom_prng):
     np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
 
 
+@pytest.mark.parametrize("params", [{"w": (2, 3)}, {"w": (2, 3), "b": (3,), "c": (1,)}])
+def test_another_models_checkpoint_is_refused_naming_the_entry(tmp_path, params):
+  """Parameters with fewer or more arrays than the saved ones are another
+  model's: refused, not restored in the saved structure."""
+
+  class Other(Rich):
+
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._params = utils.bcast_local_devices({k: jnp.zeros(v) for k, v in params.items()})
+
+  run(disk_config(tmp_path, 2))
+  config = disk_config(tmp_path, 4)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"entry experiment_module/params holds 2 arrays .* another model's"):
+    train.train(Other, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
   run(disk_config(tmp_path, 6))
   newest = os.path.join(tmp_path, "checkpoints", "latest", "6")
