@@ -925,8 +925,10 @@ class DiskCheckpointer:
                           ckpt_series, step)
           return
       latest = manager.latest_step()
-      if latest == step:
-        return  # Saved already (a final save right after a periodic one).
+      if latest == step:  # Saved already (a final save right after a periodic one).
+        if ckpt_series != "latest":  # A best step an earlier evaluator saved (another metric's).
+          logging.warning("[jaxline_ng] %s/%d is saved already: kept as it is.", ckpt_series, step)
+        return
       meta = {"format": FORMAT, "step": step, "topology": _topology(), "entries": entries,
               "arrays": {"/".join(path): {"shape": list(np.shape(array)),
                                           "dtype": np.dtype(array.dtype).name,

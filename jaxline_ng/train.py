@@ -553,7 +553,15 @@ class _BestTracker:
       checkpointer.restore("best")
     if getattr(self._state, "best_eval_metric_value", None) is None:
       self._state.best_eval_metric_value = worst
-    self._state.best_model_eval_metric = self._metric  # The config's, should it have changed.
+    saved_metric = self._state.best_model_eval_metric
+    if saved_metric != self._metric:
+      # Its best value is another metric's: compared with this one, it would
+      # keep better checkpoints from being saved, or save worse ones.
+      logging.warning("[jaxline_ng] The best checkpoints are the best %s (%s), but "
+                      "config.best_model_eval_metric=%r: the best is tracked afresh.",
+                      saved_metric, self._state.best_eval_metric_value, self._metric)
+      self._state.best_eval_metric_value = worst
+      self._state.best_model_eval_metric = self._metric
     self._state.experiment_module = experiment
     logging.info("[jaxline_ng] Best %s so far: %s", self._metric,
                  self._state.best_eval_metric_value)
