@@ -242,6 +242,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"config.profile_steps={config.profile_steps!r} must be () or (first, stop) with "
         "0 <= first < stop")
 
+  seed = config.random_seed
+  if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+    raise ConfigError(f"config.random_seed={seed!r} must be an int that fits in 64 bits")
+
   steps = config.training_steps
   if steps is not None and (not isinstance(steps, int) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
@@ -256,9 +260,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     value = config[key]
     if value is None and none_allowed:
       continue
+    positive = key == "eval_poll_interval_secs"  # A waiting evaluator at 0 would spin a core.
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
-        or (value < 0 and key != "save_checkpoint_interval")):
-      raise ConfigError(f"config.{key}={value!r} must be a number >= 0"
+        or (value <= 0 if positive else value < 0 and key != "save_checkpoint_interval")):
+      raise ConfigError(f"config.{key}={value!r} must be a number {'> 0' if positive else '>= 0'}"
                         + (" or None" if none_allowed else ""))
     if value < 0:
       logging.warning("[jaxline_ng] config.%s=%r: no periodic saves (as 0, as in jaxline); "
@@ -272,6 +277,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                     config.restore_path, config.checkpointer)
 
   cache_dir = config.compilation_cache_dir
+  if cache_dir == "None":  # What `--config.compilation_cache_dir=None` gives: not a None.
+    raise ConfigError("config.compilation_cache_dir='None' is the string 'None': for the "
+                      "default (<checkpoint_dir>/compilation_cache) leave it unset; '' turns "
+                      "the cache off")
   if cache_dir is not None and not isinstance(cache_dir, str):
     raise ConfigError(f"config.compilation_cache_dir={cache_dir!r} must be a directory, \"\" "
                       "(off) or None (<checkpoint_dir>/compilation_cache)")
@@ -283,7 +292,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   # A ratio outside [1, 10) never acts (each decade scales them), but 10 is
   # allowed: jaxline's own example is (1, 2, 5, 10).
   ratios = config.periodic_action_growth_ratios
-  if ratios is not None and (not ratios or any(not 1 <= r <= 10 for r in ratios)):
+  if ratios is not None and (not ratios or any(
+      isinstance(r, bool) or not isinstance(r, (int, float)) or not 1 <= r <= 10
+      for r in ratios)):
     raise ConfigError(
         f"config.periodic_action_growth_ratios={ratios!r} must be None or a "
         "non-empty sequence of numbers in [1, 10]")

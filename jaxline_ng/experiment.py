@@ -314,6 +314,10 @@ def construct(experiment_class, mode: str, init_rng, experiment_kwargs):
   Keyword arguments the constructor does not take (or lacks) are a
   ConfigError naming `config.experiment_kwargs`.
   """
+  if not hasattr(experiment_kwargs, "keys"):  # A dict or a ConfigDict (not a Mapping).
+    raise base_config.ConfigError(
+        f"config.experiment_kwargs={experiment_kwargs!r:.60} must be a ConfigDict of the "
+        f"keyword arguments of {experiment_class.__name__}.__init__")
   signature = inspect.signature(experiment_class)
   takes_rng = "init_rng" in signature.parameters
   try:

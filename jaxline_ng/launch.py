@@ -24,6 +24,7 @@ import argparse
 import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -222,6 +223,8 @@ def main(argv=None) -> int:
     parser.error("give the command to run after --")
   if args.num_processes < 1 or args.devices_per_process < 1:
     parser.error("--num_processes and --devices_per_process must be >= 1")
+  if shutil.which(command[0]) is None:
+    parser.error(f"the command's program {command[0]!r} is not found or not executable")
   code = launch(command, args.num_processes, args.devices_per_process, args.port)
   return code if code >= 0 else 128 - code  # -9 (a SIGKILL) is 137, as shells say.
 

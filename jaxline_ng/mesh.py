@@ -41,6 +41,9 @@ def _parse_shape(mesh_shape) -> list[tuple[str, int]]:
                          "e.g. 'data:-1,model:2'")
       axes.append((name, int(size)))
     return axes
+  if not hasattr(mesh_shape, "keys"):
+    raise ValueError(f"config.mesh_shape={mesh_shape!r}: expected 'name:size,...' or "
+                     "{name: size}, e.g. 'data:-1,model:2'")
   return [(name, int(mesh_shape[name])) for name in mesh_shape.keys()]
 
 

@@ -69,7 +69,8 @@ def stop_requested() -> bool:
 
 def wait_for_stop(timeout: float) -> bool:
   """Waits up to `timeout` seconds for a stop request; returns whether one came."""
-  return _stop_requested.wait(timeout)
+  # Beyond TIMEOUT_MAX the wait raises OverflowError; no run waits that long (292 years).
+  return _stop_requested.wait(min(timeout, threading.TIMEOUT_MAX))
 
 
 def stop_reason() -> str:

@@ -14,10 +14,12 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jaxlib
+import ml_collections
 
 import jaxline_ng
 
@@ -35,7 +37,8 @@ def flat_config(config) -> dict[str, Any]:
   flat = {}
 
   def visit(prefix: str, node: Any) -> None:
-    if hasattr(node, "items") and not isinstance(node, (str, bytes)):
+    # Not any object with an `items` attribute (a class, a dataclass field).
+    if isinstance(node, (Mapping, ml_collections.ConfigDict)):
       for key, value in node.items():
         visit(f"{prefix}.{key}" if prefix else str(key), value)
       return

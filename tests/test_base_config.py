@@ -93,6 +93,12 @@ def test_missing_base_key_is_named():
     ("log_tensors_interval", -1, "log_tensors_interval"),
     ("log_train_data_interval", -0.5, "log_train_data_interval"),
     ("eval_poll_interval_secs", -1, "eval_poll_interval_secs"),  # A waiting job would spin.
+    ("eval_poll_interval_secs", 0, "eval_poll_interval_secs"),
+    ("random_seed", 10**20, "random_seed"),  # jax.random.PRNGKey overflowed.
+    ("random_seed", None, "random_seed"),
+    # What `--config.<key>=None` gives these keys: not a None.
+    ("periodic_action_growth_ratios", (None,), "periodic_action_growth_ratios"),
+    ("compilation_cache_dir", "None", "compilation_cache_dir"),
 ])
 def test_malformed_values_name_the_key(key, value, culprit):
   config = base_config.get_base_config()

@@ -526,11 +526,14 @@ class TakesConfig(NoInitRng):
 @pytest.mark.parametrize("kwargs, culprit", [
     ({"config": {}, "dropout": 0.1}, "unexpected keyword argument 'dropout'"),
     ({}, "missing a required argument: 'config'"),
+    (None, "must be a ConfigDict"),
 ])
 def test_experiment_kwargs_the_constructor_does_not_take_are_one_line_naming_them(kwargs, culprit):
+  config = make_config()
+  with config.unlocked():
+    config.experiment_kwargs = None if kwargs is None else config_dict.ConfigDict(kwargs)
   with pytest.raises(base_config.ConfigError, match=culprit) as raised:
-    train.train(TakesConfig, make_config(experiment_kwargs=config_dict.ConfigDict(kwargs)),
-                utils.InMemoryCheckpointer(make_config(), "train"), None)
+    train.train(TakesConfig, config, utils.InMemoryCheckpointer(make_config(), "train"), None)
   assert "config.experiment_kwargs" in str(raised.value) and raised.value.one_line
 
 

@@ -111,11 +111,12 @@ def test_unique_host_keys_need_one_process_in_mesh_mode(monkeypatch, tmp_path):
     ("data:-1,model:3", "do not split"),
     ("data:-1,model:-1", "at most one -1"),
     ("data", "expected 'name:size"),
+    (None, "expected 'name:size"),
 ])
 def test_bad_mesh_shape_is_named(shape, message):
   config = base_config.get_base_config()
   config.placement, config.mesh_shape = "mesh", shape
-  with pytest.raises(base_config.ConfigError, match=f"config.mesh_shape='{shape}'.*{message}"):
+  with pytest.raises(base_config.ConfigError, match=f"config.mesh_shape={shape!r}.*{message}"):
     base_config.validate_config(config)
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxline_ng import disk_checkpointing, multihost
+from jaxline_ng import launch as launch_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
@@ -124,6 +125,13 @@ def test_a_dying_process_fails_the_launch_fast_with_its_error(tmp_path):
   assert any(line.startswith("[p1]") and "toy experiment fails at step 3" in line
              for line in result.stdout.splitlines())
   assert "[launch] process 1 failed" in result.stdout
+
+
+def test_a_launch_of_a_program_that_is_not_there_is_one_line(capsys):
+  with pytest.raises(SystemExit) as exited:
+    launch_lib.main(["--", "/nonexistent/python", "x.py"])
+  assert exited.value.code == 2
+  assert "'/nonexistent/python' is not found" in capsys.readouterr().err
 
 
 def test_host_slice_takes_this_process_share(monkeypatch):

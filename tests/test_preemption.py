@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -42,3 +43,14 @@ def test_sigterm_stops_the_run_after_an_event_loop_took_the_wakeup_fd():
     os.kill(os.getpid(), signal.SIGTERM)
     assert preemption.wait_for_stop(5.0)
     assert preemption.stop_reason() == "SIGTERM"
+
+
+def test_a_wait_longer_than_threads_allow_waits_for_the_stop():
+  """An eval job's poll interval of 1e12 s raised OverflowError in the wait."""
+  stopper = threading.Timer(0.05, preemption.request_stop, args=("a test",))
+  stopper.start()
+  try:
+    assert preemption.wait_for_stop(1e12)
+  finally:
+    stopper.join()
+    preemption.consume_stop_request()

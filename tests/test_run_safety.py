@@ -1,5 +1,6 @@
 """Run safety and insight: non-finite guard, time budget, profile window, run record."""
 
+import dataclasses
 import glob
 import gzip
 import json
@@ -351,6 +352,18 @@ def test_an_unchanged_config_is_no_difference_whatever_it_holds():
   changed = run_record.flat_config(make_config(lr_schedule=print, checkpoint_dir="/a"))
   assert [line.split(":")[0] for line in run_record.differences(before, changed)] == [
       "lr_schedule"]
+
+
+def test_config_values_with_an_items_attribute_are_values_not_mappings():
+  """A class (`dict` itself) or a dataclass with a field named `items` is a
+  value of the config; flattening called its `items` as a mapping's."""
+
+  @dataclasses.dataclass
+  class Split:
+    items: tuple = (1, 2)
+
+  flat = run_record.flat_config(make_config(klass=dict, split=Split()))
+  assert flat["klass"] == "<class 'dict'>" and "Split(items=(1, 2))" in flat["split"]
 
 
 def test_equal_sets_and_nans_are_no_difference():
