@@ -33,6 +33,7 @@ one aside (kept, under `<series>.unusable/`) so later saves go past its step.
 
 import collections
 import dataclasses
+import errno
 import hashlib
 import json
 import logging as python_logging
@@ -828,6 +829,19 @@ class _CheckpointManager(ocp.CheckpointManager):
     return False
 
 
+def _check_writable(path: str) -> None:
+  """Raises CheckpointWriteError if saves could not create or write `path`."""
+  existing = path
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise CheckpointWriteError(errno.ENOTDIR, f"cannot save checkpoints in {path}: {existing} "
+                               "is not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise CheckpointWriteError(errno.EACCES, f"cannot save checkpoints in {path}: {existing} "
+                               "is not writable")
+
+
 class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 
@@ -855,6 +869,8 @@ class DiskCheckpointer:
     self._managers: dict[str, ocp.CheckpointManager] = {}
     self._lock = threading.Lock()
     self._saves = background.Worker("disk_checkpointer")
+    for ckpt_series in self._writes:  # Now, not at the first save, minutes of training later.
+      _check_writable(self._series_dir(ckpt_series))
 
   def _dir_name(self, ckpt_series: str) -> str:
     """The directory of `ckpt_series`; an `eval_<name>` job's `best` is `best_<name>`:

@@ -181,6 +181,17 @@ def test_another_models_checkpoint_is_refused_naming_the_entry(tmp_path, params)
     train.train(Other, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
+def test_a_series_directory_saves_cannot_write_is_refused_before_training(tmp_path):
+  """A file where `checkpoints/latest` belongs failed the first save, an
+  interval of training later."""
+  os.makedirs(tmp_path / "checkpoints")
+  (tmp_path / "checkpoints" / "latest").write_text("")
+  with pytest.raises(disk_checkpointing.CheckpointWriteError,
+                     match="checkpoints/latest is not a directory") as raised:
+    disk_checkpointing.DiskCheckpointer(disk_config(tmp_path, 2), "train")
+  assert raised.value.one_line
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
   run(disk_config(tmp_path, 6))
   newest = os.path.join(tmp_path, "checkpoints", "latest", "6")
