@@ -88,9 +88,21 @@ def record(config, mode: str) -> dict[str, Any]:
 
 
 def write(config, mode: str, logdir: str) -> str:
-  """Writes `<logdir>/run.json` and returns its path."""
+  """Writes `<logdir>/run.json` and returns its path.
+
+  An earlier launch's record is kept as `run.<its start time>.json`: the
+  launch that made the checkpoints may not be the newest one (a launch
+  refused for a changed config wrote over it).
+  """
   os.makedirs(logdir, exist_ok=True)
   path = os.path.join(logdir, "run.json")
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        started = json.load(f)["started"]
+    except (OSError, ValueError, KeyError, TypeError):
+      started = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.UTC).isoformat()
+    os.replace(path, os.path.join(logdir, f"run.{started.replace(':', '')}.json"))
   with open(path, "w") as f:
     json.dump(record(config, mode), f, indent=2, sort_keys=True)
   return path

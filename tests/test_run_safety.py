@@ -354,6 +354,20 @@ def test_an_unchanged_config_is_no_difference_whatever_it_holds():
       "lr_schedule"]
 
 
+def test_each_launchs_record_is_kept(tmp_path):
+  """A launch refused for a changed config wrote over the record of the one
+  that made the checkpoints."""
+  first = make_config(training_steps=20)
+  run_record.write(first, "train", str(tmp_path))
+  run_record.write(make_config(training_steps=40), "train", str(tmp_path))
+  records = {}
+  for path in glob.glob(str(tmp_path / "run*.json")):
+    with open(path) as f:
+      records[os.path.basename(path)] = json.load(f)["config"]["training_steps"]
+  assert records.pop("run.json") == 40
+  assert list(records.values()) == [20]
+
+
 def test_config_values_with_an_items_attribute_are_values_not_mappings():
   """A class (`dict` itself) or a dataclass with a field named `items` is a
   value of the config; flattening called its `items` as a mapping's."""
