@@ -297,6 +297,21 @@ def _warn_of_unread_snapshots(checkpointer) -> None:
                     type(checkpointer).__name__)
 
 
+def _unused_disk_steps(config, checkpointer) -> str | None:
+  """Where a run with in-memory checkpoints leaves disk checkpoints of this
+  `checkpoint_dir` unread (a resume without --config.checkpointer=disk), or None."""
+  if not isinstance(checkpointer, checkpointing.InMemoryCheckpointer):
+    return None
+  series_dir = os.path.join(config.checkpoint_dir, "checkpoints", "latest")
+  steps = sorted(int(name) for name in (os.listdir(series_dir) if os.path.isdir(series_dir)
+                                        else ()) if name.isdigit())
+  if not steps:
+    return None
+  return (f"{series_dir} holds disk checkpoints (newest: step {steps[-1]}), which "
+          "in-memory checkpoints (config.checkpointer='memory') do not read: add "
+          "--config.checkpointer=disk to resume from them")
+
+
 def _step_of(snapshot) -> Any:
   nest = getattr(snapshot, "pickle_nest", None)
   return nest.get("global_step", "?") if isinstance(nest, Mapping) else "?"
@@ -313,6 +328,9 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
                     "its own checkpointer_factory (%s).", config.checkpointer,
                     type(checkpointer).__name__)
   _warn_of_unread_snapshots(checkpointer)
+  unused_disk_steps = _unused_disk_steps(config, checkpointer)
+  if unused_disk_steps and mode in ("train", TRAIN_EVAL_MULTITHREADED):
+    logging.warning("[jaxline_ng] Training starts afresh: %s.", unused_disk_steps)
   eval_checkpointer = (checkpointer_factory(config, "eval") if mode == TRAIN_EVAL_MULTITHREADED
                        else checkpointer)
   if multihost.is_multiprocess():
@@ -344,7 +362,8 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
           f"--jaxline_mode={mode} would wait forever: in-memory checkpoints "
           f"({type(checkpointer).__name__}) live in the training process. Use "
           f"--jaxline_mode={TRAIN_EVAL_MULTITHREADED}, or "
-          "--config.eval_initial_weights to evaluate initial weights")
+          "--config.eval_initial_weights to evaluate initial weights"
+          + (f"; {unused_disk_steps}" if unused_disk_steps else ""))
     writer = _writer_and_record(config, mode)
     try:
       train.evaluate(experiment_class, config, checkpointer, writer, jaxline_mode=mode,

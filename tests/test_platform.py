@@ -189,6 +189,26 @@ def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_anoth
       platform.main(toy.Experiment, [], checkpointer_factory=OwnCheckpointer)
 
 
+def test_in_memory_runs_name_the_disk_checkpoints_they_leave_unread(tmp_path, monkeypatch):
+  """A resume without --config.checkpointer=disk started afresh, and an eval
+  job on the run pointed at everything but that flag."""
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy  # pylint: disable=import-outside-toplevel
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.training_steps = 2
+  os.makedirs(tmp_path / "checkpoints" / "latest" / "20")
+  with mock.patch("absl.logging.warning") as warning:
+    with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+      platform.main(toy.Experiment, [])
+  assert any("starts afresh" in str(call) and "--config.checkpointer=disk" in str(call)
+             for call in warning.call_args_list)
+  monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
+  with flagsaver.flagsaver(config=config, jaxline_mode="eval"):
+    with pytest.raises(SystemExit, match=r"newest: step 20.*--config.checkpointer=disk"):
+      platform.main(toy.Experiment, [])
+
+
 def test_train_eval_multithreaded_makes_a_train_and_an_eval_checkpointer(tmp_path):
   """As jaxline: the factory is called with "train", then "eval"; a user's factory that
   knows only those two modes works."""
