@@ -242,8 +242,10 @@ def test_an_unusable_restore_path_is_refused_naming_the_config_key(tmp_path, whe
   os.makedirs(tmp_path / "empty")
   restore_path = str(tmp_path / where)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
-                     match=f"^config.restore_path='{restore_path}': "):
+                     match=f"^config.restore_path='{restore_path}': ") as raised:
     run(disk_config(tmp_path / "fresh", 2, restore_path=restore_path))
+  if where == "empty":  # Not orbax's "Item meta was not found. Available items: []".
+    assert str(raised.value).endswith("it is not a checkpoint: it has no meta/ item")
 
 
 def test_best_series_on_disk_keeps_metric_value(tmp_path):
