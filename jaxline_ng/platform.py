@@ -83,6 +83,8 @@ def _report_config_errors_in_one_line(config_flag) -> None:
 
   def parse_or_explain(argument: str):
     path = argument.split(":", 1)[0]
+    if os.path.isdir(path):
+      raise flags.IllegalFlagValueError(f"config file {path!r} is a directory")
     if not os.path.isfile(path):
       raise flags.IllegalFlagValueError(f"config file {path!r} does not exist")
     if not os.access(path, os.R_OK):

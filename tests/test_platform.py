@@ -61,6 +61,7 @@ def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
 
 @pytest.mark.parametrize("args,culprit", [
     (["--config=missing.py"], "config file 'missing.py' does not exist"),
+    (["--config=examples"], "config file 'examples' is a directory"),
     (["--config=examples/digits/experiment.py:bogus"],
      "loading 'examples/digits/experiment.py:bogus' failed: ValueError: unknown config argument "
      "'bogus'"),
