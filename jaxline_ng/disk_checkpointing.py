@@ -319,7 +319,10 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
         # Saved as its raw data: restoring makes it typed again where the
         # live value is (`devices.keys_like`, `rng.place_chain`).
         leaf = jax.random.key_data(leaf)
-      if _is_array(leaf):
+      if _is_array(leaf) and leaf.size == 0:
+        # Nothing to write (and orbax refuses it): the entry holds its shape.
+        leaves.append({"empty": {"shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name}})
+      elif _is_array(leaf):
         tree_path = _tree_path(name, path)
         node = tree
         for part in tree_path[:-1]:
@@ -727,6 +730,8 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
                                "written with it (damaged after saving)")
 
   def leaf_value(leaf):
+    if "empty" in leaf:
+      return np.zeros(leaf["empty"]["shape"], leaf["empty"]["dtype"])
     if "array" not in leaf:
       return leaf["value"]
     # Orbax gives a NumPy scalar back as a 0-d array; its mark turns it back.

@@ -100,6 +100,29 @@ def test_resume_restores_every_attribute_in_its_structure(tmp_path):
     np.testing.assert_array_equal(got, want)
 
 
+def test_zero_size_arrays_are_saved_and_restored(tmp_path):
+  """orbax refuses them; a model can hold one (an attention key size of 0)."""
+
+  class WithEmpty(Rich):
+
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._moments = utils.bcast_local_devices(
+          Moments(jnp.zeros(()), jnp.zeros((4, 0), jnp.bfloat16)))
+
+    def step(self, **kwargs):
+      return {"b0": utils.get_first(self._params)["b"][0]}
+
+  config = disk_config(tmp_path, 2)
+  train.train(WithEmpty, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+  config = disk_config(tmp_path, 3)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(WithEmpty, config, checkpointer, None)
+  assert series_steps(tmp_path) == [2, 3]
+  empty = utils.get_first(checkpointer.get_experiment_state("latest").experiment_module._moments)
+  assert empty.count.shape == (4, 0) and empty.count.dtype == jnp.bfloat16
+
+
 def test_max_to_keep_and_no_duplicate_final_save(tmp_path):
   run(disk_config(tmp_path, 8))
   assert series_steps(tmp_path) == [4, 6, 8]
