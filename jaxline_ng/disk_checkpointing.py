@@ -517,32 +517,6 @@ def _in_live_order(entry: dict[str, Any], leaves: list, live: Any, name: str) ->
                            f"experiment's has {', '.join(new) or 'other values'}")
 
 
-def _check_same_arrays(name: str, live: Any, saved: Any) -> None:
-  """Refuses a saved pytree of arrays whose arrays are not the live one's.
-
-  Arrays (parameters, optimizer states) are laid out by the model, so other
-  ones mean another model's checkpoint. Other values may differ: a history
-  list the experiment appends to, a dict of notes it fills in.
-  """
-  live_leaves = jax.tree_util.tree_flatten_with_path(live)[0]
-  if not live_leaves or not all(isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-                                for _, leaf in live_leaves):
-    return
-  live_paths = {jax.tree_util.keystr(path) for path, _ in live_leaves}
-  saved_paths = {jax.tree_util.keystr(path)
-                 for path, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
-
-  def describe(paths):
-    if paths == {""}:
-      return "one array"
-    shown = sorted(paths)[:3]
-    return f"{len(paths)} arrays ({', '.join(shown)}{', ...' if len(paths) > 3 else ''})"
-
-  raise UnusableCheckpoint(
-      f"entry {name} holds {describe(saved_paths)} but the experiment's holds "
-      f"{describe(live_paths)}: it is another model's checkpoint")
-
-
 def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
                training: bool) -> Any:
   """An entry's value: rebuilt from its skeleton, else in the live value's structure.
@@ -567,8 +541,6 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
     if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
         live_treedef != jax.tree.structure(value):
       value = jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
-    elif live_treedef is not None and live_treedef.num_leaves != len(leaves):
-      _check_same_arrays(name, live, value)
     return value
   if live_treedef is not None and live_treedef.num_leaves == len(leaves):
     return jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
@@ -838,7 +810,7 @@ class _CheckpointManager(ocp.CheckpointManager):
 
 def _check_writable(path: str) -> None:
   """Raises CheckpointWriteError if saves could not create or write `path`."""
-  existing = path
+  existing = os.path.abspath(path)  # A relative path's dirname ends at "", which never exists.
   while not os.path.lexists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
