@@ -555,13 +555,12 @@ class _BestTracker:
       self._state.best_eval_metric_value = worst
     saved_metric = self._state.best_model_eval_metric
     if saved_metric != self._metric:
-      # Its best value is another metric's: compared with this one, it would
-      # keep better checkpoints from being saved, or save worse ones.
-      logging.warning("[jaxline_ng] The best checkpoints are the best %s (%s), but "
-                      "config.best_model_eval_metric=%r: the best is tracked afresh.",
-                      saved_metric, self._state.best_eval_metric_value, self._metric)
-      self._state.best_eval_metric_value = worst
-      self._state.best_model_eval_metric = self._metric
+      # Its best value is another metric's: compared with this one's, better
+      # checkpoints would go unsaved or worse ones be saved.
+      raise base_config.ConfigError(
+          f"config.best_model_eval_metric={self._metric!r}, but the best checkpoints "
+          f"(restore path {checkpointer.restore_path('best')}) are the best {saved_metric!r}: "
+          "move them aside, or evaluate in another checkpoint_dir or --jaxline_mode=eval_<name>")
     self._state.experiment_module = experiment
     logging.info("[jaxline_ng] Best %s so far: %s", self._metric,
                  self._state.best_eval_metric_value)

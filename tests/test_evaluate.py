@@ -111,17 +111,17 @@ def test_best_value_kept_across_evaluator_restarts():
   assert Scripted.best_calls == []
 
 
-def test_a_best_series_of_another_metric_is_tracked_afresh():
-  """The best value restored is the metric's it was saved for: with another
-  `best_model_eval_metric`, it would stop better checkpoints being saved."""
+def test_a_best_series_of_another_metric_is_refused_naming_both():
+  """The best value restored is the metric's it was saved for: compared with
+  another metric's values, better checkpoints went unsaved."""
   Scripted.SCORES = {2: 0.5, 4: 0.1}
   checkpointer = checkpointing.InMemoryCheckpointer(make_config(), "eval")
   run_eval(make_config(best_model_eval_metric="other"), checkpointer, [2])  # other=1.0
-  run_eval(make_config(best_model_eval_metric="metric/score"), checkpointer, [4])
-  best = utils.GLOBAL_CHECKPOINT_DICT["best"].history
-  assert [(s.pickle_nest["global_step"], s.pickle_nest["best_model_eval_metric"])
-          for s in best] == [(2, "other"), (4, "metric/score")]
-  assert best[-1].pickle_nest["best_eval_metric_value"] == 0.1
+  with pytest.raises(base_config.ConfigError,
+                     match="best_model_eval_metric='metric/score', but the best checkpoints .* "
+                           "are the best 'other'"):
+    run_eval(make_config(best_model_eval_metric="metric/score"), checkpointer, [4])
+  assert len(utils.GLOBAL_CHECKPOINT_DICT["best"].history) == 1
 
 
 def test_nan_metric_never_becomes_best():
