@@ -247,12 +247,16 @@ def raw_keys(tree: Any) -> Any:
 
 
 def keys_like(live: Any, restored: Any) -> Any:
-  """`restored` with raw key data made typed keys again where `live`, the value
-  it replaces, holds typed keys (disk checkpoints hold their raw data)."""
+  """`restored` with keys as `live`, the value it replaces, holds them: raw
+  data made typed keys where `live` holds typed ones, typed keys made raw
+  data where it holds arrays (a checkpoint of code that used the other kind)."""
 
   def like(live_leaf, restored_leaf):
     if is_typed_key(live_leaf) and not is_typed_key(restored_leaf):
       return jax.random.wrap_key_data(restored_leaf, impl=jax.random.key_impl(live_leaf))
+    if is_typed_key(restored_leaf) and isinstance(live_leaf, (jax.Array, np.ndarray)) and \
+        not is_typed_key(live_leaf):
+      return jax.random.key_data(restored_leaf)
     return restored_leaf
 
   try:

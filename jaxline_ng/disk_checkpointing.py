@@ -315,10 +315,9 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
   for name, value in _named_entries(nest).items():
     leaves = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-      if devices.is_typed_key(leaf):
-        # Saved as its raw data: restoring makes it typed again where the
-        # live value is (`devices.keys_like`, `rng.place_chain`).
-        leaf = jax.random.key_data(leaf)
+      key_impl = None
+      if devices.is_typed_key(leaf):  # Saved as its raw data, marked with its implementation.
+        key_impl, leaf = str(jax.random.key_impl(leaf)), jax.random.key_data(leaf)
       if _is_array(leaf) and leaf.size == 0:
         # Nothing to write (and orbax refuses it): the entry holds its shape.
         leaves.append({"empty": {"shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name}})
@@ -341,7 +340,8 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
         arrays.append((tree_path, leaf))
         # Marked: orbax gives a NumPy scalar back as a 0-d array.
         leaves.append({"array": tree_path, **({"numpy_scalar": True}
-                                              if isinstance(leaf, np.generic) else {})})
+                                              if isinstance(leaf, np.generic) else {}),
+                       **({"key_impl": key_impl} if key_impl else {})})
       elif isinstance(leaf, _PLAIN_VALUES):
         leaves.append({"value": leaf})
       else:
@@ -706,6 +706,8 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
       return np.zeros(leaf["empty"]["shape"], leaf["empty"]["dtype"])
     if "array" not in leaf:
       return leaf["value"]
+    if "key_impl" in leaf:
+      return jax.random.wrap_key_data(at(leaf["array"]), impl=leaf["key_impl"])
     # Orbax gives a NumPy scalar back as a 0-d array; its mark turns it back.
     return at(leaf["array"])[()] if leaf.get("numpy_scalar") else at(leaf["array"])
 

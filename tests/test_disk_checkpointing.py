@@ -145,15 +145,19 @@ def test_unstorable_value_fails_at_first_save_naming_it(tmp_path):
 class TypedKeys(Rich):
   """Keeps typed PRNG keys (`jax.random.key`): one per device, and one whole."""
   CHECKPOINT_ATTRS = {**Rich.CHECKPOINT_ATTRS, "_device_keys": "device_keys"}
-  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_key": "key"}
+  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_key": "key",
+                                    "_late_key": "late_key"}
   seen_rngs = []
 
   def __init__(self, mode, init_rng):
     super().__init__(mode, init_rng)
     self._key = jax.random.key(0)
     self._device_keys = utils.bcast_local_devices(jax.random.key(1))
+    self._late_key = None  # Made by the first step, as jaxline experiments build state.
 
   def step(self, rng, **kwargs):
+    if self._late_key is None:
+      self._late_key = jax.random.key(2, impl="rbg")
     TypedKeys.seen_rngs.append(jax.random.key_data(rng))
     self._key = jax.random.split(self._key)[0]
     self._device_keys = jax.vmap(lambda k: jax.random.split(k)[0])(self._device_keys)
@@ -181,7 +185,8 @@ def test_typed_prng_keys_resume_typed_and_exact(tmp_path, custom_prng):
     np.testing.assert_array_equal(got, want)
   assert devices.is_typed_key(resumed.train_step_rng) == custom_prng
   module, reference = resumed.experiment_module, uninterrupted.experiment_module
-  for got, want in ((module._key, reference._key), (module._device_keys, reference._device_keys)):
+  for got, want in ((module._key, reference._key), (module._device_keys, reference._device_keys),
+                    (module._late_key, reference._late_key)):
     assert devices.is_typed_key(got) and got.shape == want.shape
     np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
 
