@@ -109,12 +109,23 @@ def sharding(*spec: Any) -> NamedSharding:
 
 def replicate(tree: Any) -> Any:
   """A copy of `tree` on every device of the mesh (fully replicated)."""
-  return jax.device_put(tree, sharding())
+  return place(tree)
 
 
 def place(tree: Any, *spec: Any) -> Any:
   """Places host or device values on the mesh, sharded by `spec`."""
-  return jax.device_put(tree, sharding(*spec))
+  target = sharding(*spec)
+
+  def put(leaf):
+    if devices.is_typed_key(leaf):
+      # As its raw data from the host: with several processes, a key on one
+      # device cannot be put on devices of others.
+      data = np.asarray(jax.device_get(jax.random.key_data(leaf)))
+      return jax.random.wrap_key_data(jax.device_put(data, target),
+                                      impl=jax.random.key_impl(leaf))
+    return leaf
+
+  return jax.device_put(jax.tree.map(put, tree), target)
 
 
 def global_batch(local_batch: Any, *spec: Any) -> Any:
