@@ -101,6 +101,15 @@ for shape, spec in [((4, 1), ("data",)), ((1, 4), ("data",)), ((2, 2), ("data",)
       np.array_equal(np.asarray(shard.data), batch[expected[shard.device]])
       for shard in array.addressable_shards)
   print(f"mesh {shape} spec {spec}: {'right' if right else 'WRONG'}", flush=True)
+# A typed key put on a mesh over both processes (a key lives on one device).
+from jaxline_ng import base_config, mesh as mesh_lib
+config = base_config.get_base_config()
+config.placement = "mesh"
+mesh_lib.activate(config)
+key = mesh_lib.replicate(jax.random.key(1))
+same = np.array_equal(np.asarray(jax.random.key_data(key).addressable_shards[0].data),
+                      np.asarray(jax.random.key_data(jax.random.key(1))))
+print(f"typed key replicated: {'right' if same and key.shape == () else 'WRONG'}", flush=True)
 """
 
 
@@ -115,6 +124,7 @@ def test_global_batch_is_every_process_rows_whatever_mesh_axis_holds_the_batch(t
     for shape, spec in [((4, 1), ("data",)), ((1, 4), ("data",)), ((2, 2), ("data",)),
                         ((4, 1), ())]:
       assert f"[p{process}] mesh {shape} spec {spec}: right" in result.stdout, result.stdout
+    assert f"[p{process}] typed key replicated: right" in result.stdout, result.stdout
 
 
 def test_a_dying_process_fails_the_launch_fast_with_its_error(tmp_path):
