@@ -909,8 +909,13 @@ class DiskCheckpointer:
     # sharding, and the per-device key chain's would let orbax alone read the
     # checkpoint only on as many devices. (A process of a multi-process run
     # that saves alone must hand over its own arrays so anyway.) Mesh-mode
-    # global arrays go as they are: each process writes its shards.
+    # global arrays go as they are: each process writes its shards. An array
+    # on one device is this process's own (a NON_BROADCAST value): orbax
+    # refuses such a "host local" array when several processes save.
     on_host = mesh_lib.active_mesh() is None
+    if not on_host:
+      tree = jax.tree.map(lambda x: jax.device_get(x) if isinstance(x, jax.Array) and len(
+          x.sharding.device_set) == 1 and len(jax.devices()) > 1 else x, tree)
 
     def write():
       if validate is not None:
