@@ -164,15 +164,14 @@ class TypedKeys(Rich):
     return super().step(**kwargs)
 
 
-@pytest.mark.parametrize("custom_prng", [False, True])
-def test_typed_prng_keys_resume_typed_and_exact(tmp_path, custom_prng):
+def test_typed_prng_keys_resume_typed_and_exact(tmp_path):
   """Typed keys are saved as their raw data and come back typed; with
   `jax_enable_custom_prng` the chain itself is typed (jaxline's train_test)."""
 
   def run_keys(config):
     TypedKeys.seen_rngs = []
     checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-    with jax.enable_custom_prng(custom_prng):
+    with jax.enable_custom_prng(True):
       train.train(TypedKeys, config, checkpointer, None)
     return checkpointer.get_experiment_state("latest")
 
@@ -183,7 +182,7 @@ def test_typed_prng_keys_resume_typed_and_exact(tmp_path, custom_prng):
   assert len(TypedKeys.seen_rngs) == 3
   for got, want in zip(TypedKeys.seen_rngs, uninterrupted_rngs[3:]):
     np.testing.assert_array_equal(got, want)
-  assert devices.is_typed_key(resumed.train_step_rng) == custom_prng
+  assert devices.is_typed_key(resumed.train_step_rng)
   module, reference = resumed.experiment_module, uninterrupted.experiment_module
   for got, want in ((module._key, reference._key), (module._device_keys, reference._device_keys),
                     (module._late_key, reference._late_key)):

@@ -70,13 +70,13 @@ def _update_global(params, batch, learning_rate):
 
 class Experiment(experiment.AbstractExperiment):
   CHECKPOINT_ATTRS = {"_params": "params"}
-  # A value of this process's own on one device, as experiments keep counters.
-  NON_BROADCAST_CHECKPOINT_ATTRS = {"_steps_seen": "steps_seen"}
+  # A value on one device, as experiments keep counters: saved in every mode.
+  NON_BROADCAST_CHECKPOINT_ATTRS = {"_version": "version"}
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode=mode, init_rng=init_rng)
     self.config = config
-    self._steps_seen = jnp.zeros((), jnp.int32)
+    self._version = jnp.int32(1)
     self._mesh = mesh.active_mesh()
     if self._mesh is None:
       self._params = utils.bcast_local_devices(jnp.zeros(config.dim))
@@ -109,7 +109,6 @@ class Experiment(experiment.AbstractExperiment):
     if self.config.step_sleep_secs:
       time.sleep(self.config.step_sleep_secs)
     self._params, loss = self._update(self._params, self._batch(step))
-    self._steps_seen = self._steps_seen + 1
     if 0 <= self.config.nan_from_step <= step and self.config.nan_on_process in (
         -1, jax.process_index()):
       loss = loss * jnp.nan
