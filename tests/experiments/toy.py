@@ -70,14 +70,16 @@ def _update_global(params, batch, learning_rate):
 
 class Experiment(experiment.AbstractExperiment):
   CHECKPOINT_ATTRS = {"_params": "params"}
-  # A value on one device, as experiments keep counters: saved in every mode.
-  NON_BROADCAST_CHECKPOINT_ATTRS = {"_version": "version"}
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode=mode, init_rng=init_rng)
     self.config = config
-    self._version = jnp.int32(1)
     self._mesh = mesh.active_mesh()
+    if self._mesh is not None:
+      # A value on one device, as experiments keep counters: in a mesh run of
+      # several processes, each saves it as its own host value.
+      self.NON_BROADCAST_CHECKPOINT_ATTRS = {"_version": "version"}
+      self._version = jnp.int32(1)
     if self._mesh is None:
       self._params = utils.bcast_local_devices(jnp.zeros(config.dim))
       self._update = jax.pmap(
