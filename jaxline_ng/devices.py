@@ -240,6 +240,16 @@ def maybe_device_get(x: Any) -> Any:
   return jax.device_get(x) if isinstance(x, jax.Array) else x
 
 
+def placed_from_host(value: Any, place) -> Any:
+  """`place(value copied to the host)`: an array on one device cannot be put
+  on the devices of other processes. Typed keys, which NumPy cannot hold, go
+  as their raw data and are made typed again."""
+  if is_typed_key(value):
+    return jax.random.wrap_key_data(placed_from_host(jax.random.key_data(value), place),
+                                    impl=jax.random.key_impl(value))
+  return place(np.asarray(jax.device_get(value)))
+
+
 def raw_keys(tree: Any) -> Any:
   """`tree` with each array of typed PRNG keys replaced by its raw `uint32` data."""
   return jax.tree.map(lambda leaf: jax.random.key_data(leaf) if is_typed_key(leaf) else leaf,

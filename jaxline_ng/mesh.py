@@ -117,12 +117,8 @@ def place(tree: Any, *spec: Any) -> Any:
   target = sharding(*spec)
 
   def put(leaf):
-    if devices.is_typed_key(leaf):
-      # As its raw data from the host: with several processes, a key on one
-      # device cannot be put on devices of others.
-      data = np.asarray(jax.device_get(jax.random.key_data(leaf)))
-      return jax.random.wrap_key_data(jax.device_put(data, target),
-                                      impl=jax.random.key_impl(leaf))
+    if devices.is_typed_key(leaf):  # A key on one device reaches no other process's.
+      return devices.placed_from_host(leaf, lambda data: jax.device_put(data, target))
     return leaf
 
   return jax.device_put(jax.tree.map(put, tree), target)

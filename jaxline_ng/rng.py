@@ -108,21 +108,12 @@ def seed_keys(random_seed: int, legacy_random_seed_behavior: bool):
   return train_key, init_key
 
 
-def _placed(key, place):
-  """`place(key on the host)`; typed keys are placed as their raw data, then
-  made typed again (NumPy cannot hold them)."""
-  if devices.is_typed_key(key):
-    return jax.random.wrap_key_data(_placed(jax.random.key_data(key), place),
-                                    impl=jax.random.key_impl(key))
-  return place(np.asarray(jax.device_get(key)))
-
-
 def replicate_key(key):
   """One key placed as the run's steps take it: a copy per local device
   (pmap), or one global key replicated over the mesh (mesh mode)."""
   if mesh_lib.active_mesh() is None:
     return devices.bcast_local_devices(key)
-  return _placed(key, mesh_lib.replicate)
+  return devices.placed_from_host(key, mesh_lib.replicate)
 
 
 # Steps whose keys one dispatch computes. A dispatch costs the training thread
@@ -272,11 +263,11 @@ def eval_keys(random_seed: int, mode: str):
   key = jax.random.PRNGKey(random_seed)
   if mesh_lib.active_mesh() is not None:
     check_mesh_random_mode(mode, "random_mode_eval")
-    return _placed(_specialize(key, _host_part_only(mode), jax.process_index(), 0),
-                   mesh_lib.replicate)
+    key = _specialize(key, _host_part_only(mode), jax.process_index(), 0)
+    return devices.placed_from_host(key, mesh_lib.replicate)
   keys = jax.vmap(lambda position: _specialize(key, mode, jax.process_index(), position))(
       jnp.arange(jax.local_device_count()))
-  return _placed(keys, devices.put_per_device)
+  return devices.placed_from_host(keys, devices.put_per_device)
 
 
 def step_counter(global_step: int):
