@@ -26,9 +26,10 @@ Restoring executes nothing from the checkpoint (no pickle). Arrays are read
 straight onto the shardings the live experiment has (orbax reshards onto
 another mesh) or, in pmap mode, as one host copy replicated onto however many
 devices this process has. A checkpoint whose checksums or digest do not
-match, that does not parse, or whose values do not fit the experiment is
-reported and the one before it used; the training job then moves the bad
-one aside (kept, under `<series>.unusable/`) so later saves go past its step.
+match, or that does not parse, is reported and the one before it used; the
+training job then moves the bad one aside (kept, under `<series>.unusable/`)
+so later saves go past its step. One that is sound but does not fit the
+experiment (entries, names or shapes the code no longer has) is refused.
 """
 
 import collections
@@ -100,6 +101,15 @@ def _os_error_code(error: Exception) -> int | None:
 
 class CheckpointRefused(base_config.ConfigError):
   """No checkpoint of a series can be resumed from; the message says why."""
+
+
+class _DoesNotFit(CheckpointRefused):
+  """A sound checkpoint whose layout is not the experiment's: the code changed.
+
+  Not damage, so no older checkpoint is tried: one of another layout may
+  fit (state that grows, a model changed back), and resuming from it would
+  silently roll the run back past the newest save.
+  """
 
 
 def _entry_name(top_key: str, path) -> str:
@@ -513,8 +523,8 @@ def _in_live_order(entry: dict[str, Any], leaves: list, live: Any, name: str) ->
     return [leaves[position[live_name]] for live_name in live_names]
   gone = sorted(set(saved) - set(live_names) - {None})
   new = sorted(set(live_names) - set(saved))
-  raise UnusableCheckpoint(f"entry {name} holds {', '.join(gone) or 'other values'} where the "
-                           f"experiment's has {', '.join(new) or 'other values'}")
+  raise _DoesNotFit(f"entry {name} holds {', '.join(gone) or 'other values'} where the "
+                    f"experiment's has {', '.join(new) or 'other values'}")
 
 
 def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
@@ -555,7 +565,7 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
     logging.warning("[jaxline_ng] Checkpoint entry %s is not restored: the experiment holds "
                     "None there (build it in __init__ to restore it).", name)
     return None
-  raise UnusableCheckpoint(
+  raise _DoesNotFit(
       f"entry {name} has {len(leaves)} values but the experiment's has "
       f"{None if live_treedef is None else live_treedef.num_leaves}")
 
@@ -573,8 +583,8 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
         if not training:  # As jaxline: e.g. CHECKPOINT_ATTRS without the optimizer in eval.
           unlisted.add(name)
           continue
-        raise UnusableCheckpoint(f"it holds experiment_module/{name[len(_MODULE_PREFIX):]}, "
-                                 "which the experiment does not checkpoint")
+        raise _DoesNotFit(f"it holds experiment_module/{name[len(_MODULE_PREFIX):]}, "
+                          "which the experiment does not checkpoint")
     elif name not in _STATE_ATTRS and name not in live:
       # As jaxline, which restores the live state's entries only: one that
       # `on_new_best_model` added to the best state is not a damage.
@@ -583,7 +593,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
     missing = sorted(name for name in live if name.startswith(_MODULE_PREFIX)
                      and name not in entries)
     if missing:
-      raise UnusableCheckpoint(f"it lacks {', '.join(missing)}, which the experiment checkpoints")
+      raise _DoesNotFit(f"it lacks {', '.join(missing)}, which the experiment checkpoints")
 
   def wanted(name):
     return name not in unlisted and (wants_module or not name.startswith(_MODULE_PREFIX))
@@ -603,12 +613,15 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
       live_leaf = live_leaves.get("/".join(tree_path))
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
-      if isinstance(live_leaf, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)) and \
+      # A host value (a NON_BROADCAST NumPy buffer) takes the saved shape, as
+      # jaxline's restore by setattr did; device arrays keep the model's.
+      if isinstance(live_leaf, (jax.ShapeDtypeStruct, jax.Array)) and \
           tuple(live_leaf.shape) != shape:
-        raise UnusableCheckpoint(
+        saved_by, now = _describe_topology(meta["topology"]), _describe_topology(_topology())
+        raise _DoesNotFit(
             f"{'/'.join(tree_path)} has shape {shape} but the experiment's is "
-            f"{tuple(live_leaf.shape)} (saved by {_describe_topology(meta['topology'])}, "
-            f"now {_describe_topology(_topology())})")
+            f"{tuple(live_leaf.shape)}"
+            + (f" (saved by {saved_by}, now {now})" if saved_by != now else ""))
       sharding = getattr(live_leaf, "sharding", None)
       if isinstance(live_leaf, jax.Array) and mesh_lib.active_mesh() is not None and \
           len(sharding.device_set) > 1:
@@ -1006,6 +1019,13 @@ class DiskCheckpointer:
       try:
         nest, topology = _load(candidate, live, agree=self.every_process_saves,
                                training=training)
+      except _DoesNotFit as e:
+        seeding = fresh_run and ckpt_series == "latest" and self._restore_path
+        where = f"config.restore_path={self._restore_path!r}: " if seeding else ""
+        hint = ", or a new checkpoint_dir" if training and not seeding else ""
+        raise CheckpointRefused(
+            f"{where}checkpoint {candidate} does not fit the experiment: {e}: the code has "
+            f"changed since it was saved (use the code that saved it{hint})") from None
       except CheckpointRefused:
         raise
       except (UnusableCheckpoint, KeyError, TypeError, IndexError, AttributeError) as e:

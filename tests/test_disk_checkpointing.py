@@ -497,6 +497,60 @@ def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path):
   assert str(e.value).count("params") == 1, e.value  # The entry is named once.
 
 
+class Wider(Rich):
+  """Rich with a wider layer, trainable."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    params = {"w": jnp.zeros((2, 5)), "b": jnp.zeros(3)}
+    self._params = utils.bcast_local_devices(params)
+    self._opt_state = utils.bcast_local_devices(self._opt.init(params))
+
+
+def test_a_newest_checkpoint_that_does_not_fit_is_refused_not_rolled_back_from(tmp_path):
+  """An older checkpoint that fits (state that grew, a model changed back and
+  forth) must not be resumed silently in place of the newest one."""
+  run(disk_config(tmp_path / "run", 2))
+  config = disk_config(tmp_path / "wider", 4)
+  train.train(Wider, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+  series = os.path.join(tmp_path, "run", "checkpoints", "latest")
+  shutil.copytree(os.path.join(tmp_path, "wider", "checkpoints", "latest", "4"),
+                  os.path.join(series, "4"))
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"checkpoint .*latest/4 does not fit the experiment: .*mu/w has "
+                           r"shape \(2, 5\) but the experiment's is \(2, 3\).*code has changed"):
+    run(disk_config(tmp_path / "run", 6))
+  assert Rich.seen_steps == []
+  assert series_steps(tmp_path / "run") == [2, 4]  # Nothing moved aside.
+  assert not os.path.exists(disk_checkpointing.unusable_dir(series))
+
+
+class GrowingHostBuffer(Rich):
+  """A NON_BROADCAST NumPy buffer that grows each step (a replay buffer)."""
+  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_seen": "seen"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._seen = np.zeros((0, 2), np.float32)
+
+  def step(self, global_step, **unused):
+    step = int(utils.get_first(global_step))
+    self._seen = np.concatenate([self._seen, np.full((1, 2), step, np.float32)])
+    return super().step(global_step=global_step)
+
+
+def test_a_host_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
+  config = disk_config(tmp_path, 4)
+  train.train(GrowingHostBuffer, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+              None)
+  config = disk_config(tmp_path, 6)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(GrowingHostBuffer, config, checkpointer, None)
+  resumed = checkpointer.get_experiment_state("latest").experiment_module
+  assert Rich.seen_steps[-2:] == [4, 5]
+  np.testing.assert_array_equal(resumed._seen[:, 0], np.arange(6))  # pylint: disable=protected-access
+
+
 def test_format_1_checkpoint_is_refused_naming_the_format(tmp_path):
   old = os.path.join(tmp_path, "checkpoints", "latest", "4")
   os.makedirs(os.path.join(old, "arrays"))
