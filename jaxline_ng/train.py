@@ -724,6 +724,12 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # --- Done? ---
     if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
       break
+    ended_at = _training_ended_at(experiment, config, state)
+    if ended_at is not None:
+      logging.warning("[jaxline_ng] Step %d ended the training run that saved it (its "
+                      "training_steps=%d, this job's %s): no newer checkpoint will come.",
+                      state.global_step, ended_at, config.training_steps)
+      break
   checkpointer.wait_for_checkpointing_to_finish()
   flush_if_possible(writer)
   if asked_to_stop:
@@ -731,6 +737,21 @@ def evaluate(experiment_class, config, checkpointer, writer,
                     f"after step {evaluated_step}" if evaluated_step >= 0
                     else "before evaluating any step")
     raise preemption.Preempted(f"evaluation stopped by {preemption.stop_reason()}")
+
+
+def _training_ended_at(experiment, config, state) -> int | None:
+  """The `training_steps` of the run that saved the restored checkpoint, if
+  the run ended at it: an eval job whose own `training_steps` is larger (the
+  trainer's was set on its command line) would otherwise wait forever."""
+  try:
+    saved = json.loads(getattr(state, "run_config", None) or "{}").get("training_steps")
+  except (TypeError, ValueError):  # Not ours: a checkpointer of the user's.
+    return None
+  if not isinstance(saved, int) or saved == config.training_steps:
+    return None
+  trainer_config = config.copy_and_resolve_references()
+  trainer_config.training_steps = saved
+  return None if experiment.should_run_step(state.global_step, trainer_config) else saved
 
 
 def flush_if_possible(writer) -> None:

@@ -184,6 +184,21 @@ def test_each_checkpoint_evaluated_once_with_same_rng_and_stops_at_last_step():
   assert (rngs[0] == rngs[0][0]).all()
 
 
+def test_an_eval_job_stops_at_the_step_its_finished_training_run_ended_at():
+  """The trainer was launched with `--config.training_steps=4`, the eval job
+  without it: no checkpoint after step 4 will come."""
+  Scripted.SCORES = {4: 0.5}
+  trainer_config = make_config(training_steps=4)
+  checkpointer = checkpointing.InMemoryCheckpointer(trainer_config, "train")
+  train.train(Scripted, trainer_config, checkpointer, None)
+  Scripted.calls, waits = [], []
+  train.evaluate(Scripted, make_config(training_steps=10), checkpointer, None,
+                 jaxline_mode="eval", poll_interval_secs=0.01,
+                 stop_waiting=lambda: waits.append(1) or len(waits) > 5)
+  assert [step for step, _, _ in Scripted.calls] == [4]
+  assert not waits
+
+
 def test_one_off_evaluate_stops_after_one():
   Scripted.SCORES = {5: 0.1}
   config = make_config(one_off_evaluate=True)
