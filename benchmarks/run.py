@@ -147,23 +147,24 @@ def worker_framework(warmup: int, steps: int, write_every_step: bool,
   config.log_tensors_interval = 100
   config.log_train_data_interval = 1 if write_every_step else None
   config.save_checkpoint_interval = checkpoint_every or 10**9
-  config.checkpoint_dir = tempfile.mkdtemp(prefix="jaxline_ng_bench_")
-  config.update(overrides or {})
-  writer = None
-  if write_every_step:
-    # A smoke run leaves TensorFlow's import (seconds of the suite's CPU) to the writer's tests.
-    writer = writers.make_writer(os.path.join(config.checkpoint_dir, "train"),
-                                 tensorboard=not _IN_PROCESS)
-    # Steady state: TensorFlow's one-time import (seconds of one core, on the
-    # writer's thread, while a real run starts up) is not part of the ratio.
-    writer.flush()
-  timer, steps_per_sec = _timed_steps(warmup, steps)
-  experiment_class = (workloads.MeshMLPExperiment if placement == "mesh"
-                      else workloads.MLPExperiment)
-  train.train(experiment_class, config,
-              checkpointing.InMemoryCheckpointer(config, "train"), writer, [timer])
-  if writer is not None:
-    writer.close()
+  with tempfile.TemporaryDirectory(prefix="jaxline_ng_bench_") as checkpoint_dir:
+    config.checkpoint_dir = checkpoint_dir
+    config.update(overrides or {})
+    writer = None
+    if write_every_step:
+      # A smoke run leaves TensorFlow's import (seconds of the suite's CPU) to the writer's tests.
+      writer = writers.make_writer(os.path.join(config.checkpoint_dir, "train"),
+                                   tensorboard=not _IN_PROCESS)
+      # Steady state: TensorFlow's one-time import (seconds of one core, on the
+      # writer's thread, while a real run starts up) is not part of the ratio.
+      writer.flush()
+    timer, steps_per_sec = _timed_steps(warmup, steps)
+    experiment_class = (workloads.MeshMLPExperiment if placement == "mesh"
+                        else workloads.MLPExperiment)
+    train.train(experiment_class, config,
+                checkpointing.InMemoryCheckpointer(config, "train"), writer, [timer])
+    if writer is not None:
+      writer.close()
   return {"steps_per_sec": steps_per_sec()}
 
 
@@ -208,30 +209,31 @@ def worker_save_stall(saves: int) -> dict:
   from jaxline_ng import base_config, checkpointing, disk_checkpointing, rng  # pylint: disable=import-outside-toplevel
   results = {}
   for kind in ("memory", "disk"):
-    config = base_config.get_base_config()
-    config.checkpoint_dir = tempfile.mkdtemp(prefix="jaxline_ng_bench_")
-    checkpointer = (disk_checkpointing.DiskCheckpointer(config, "train") if kind == "disk"
-                    else checkpointing.InMemoryCheckpointer(config, "train"))
-    state = checkpointer.get_experiment_state("latest")
-    state.experiment_module = workloads.MLPExperiment("train", None)
-    state.train_step_rng = rng.replicate_key(jax.random.PRNGKey(0))
-    stalls, copies = [], []
-    for index in range(saves):
-      state.global_step = index + 1
-      module = state.experiment_module
-      module.step(global_step=None, rng=state.train_step_rng, writer=None)
-      jax.block_until_ready((module._params, module._opt_state))  # pylint: disable=protected-access
-      start = time.perf_counter()
-      jax.device_get((state.train_step_rng, module.snapshot_state()))
-      copies.append(time.perf_counter() - start)
-      start = time.perf_counter()
-      checkpointer.save("latest")
-      stalls.append(time.perf_counter() - start)
-      # Training steps between saves: the save finishes in the background.
+    with tempfile.TemporaryDirectory(prefix="jaxline_ng_bench_") as checkpoint_dir:
+      config = base_config.get_base_config()
+      config.checkpoint_dir = checkpoint_dir
+      checkpointer = (disk_checkpointing.DiskCheckpointer(config, "train") if kind == "disk"
+                      else checkpointing.InMemoryCheckpointer(config, "train"))
+      state = checkpointer.get_experiment_state("latest")
+      state.experiment_module = workloads.MLPExperiment("train", None)
+      state.train_step_rng = rng.replicate_key(jax.random.PRNGKey(0))
+      stalls, copies = [], []
+      for index in range(saves):
+        state.global_step = index + 1
+        module = state.experiment_module
+        module.step(global_step=None, rng=state.train_step_rng, writer=None)
+        jax.block_until_ready((module._params, module._opt_state))  # pylint: disable=protected-access
+        start = time.perf_counter()
+        jax.device_get((state.train_step_rng, module.snapshot_state()))
+        copies.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        checkpointer.save("latest")
+        stalls.append(time.perf_counter() - start)
+        # Training steps between saves: the save finishes in the background.
+        checkpointer.wait_for_checkpointing_to_finish()
       checkpointer.wait_for_checkpointing_to_finish()
-    checkpointer.wait_for_checkpointing_to_finish()
-    results[kind] = {"stall_ms": 1e3 * statistics.median(stalls),
-                     "copy_ms": 1e3 * statistics.median(copies)}
+      results[kind] = {"stall_ms": 1e3 * statistics.median(stalls),
+                       "copy_ms": 1e3 * statistics.median(copies)}
   return results
 
 
@@ -262,9 +264,10 @@ def worker_startup() -> dict:
 
   config = base_config.get_base_config()
   config.training_steps = 2
-  config.checkpoint_dir = tempfile.mkdtemp(prefix="jaxline_ng_bench_")
-  train_start = time.time()
-  train.train(Timed, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
+  with tempfile.TemporaryDirectory(prefix="jaxline_ng_bench_") as checkpoint_dir:
+    config.checkpoint_dir = checkpoint_dir
+    train_start = time.time()
+    train.train(Timed, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
   framework_in_train = marks["first_step"] - train_start - marks["init"]
   return {"to_first_step_s": marks["first_step"] - process_start, "jax_import_s": jax_import,
           "jax_version": jax.__version__,

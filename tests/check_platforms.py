@@ -51,10 +51,10 @@ def main() -> int:
     requirements = requirements_for(environment)
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
                "--ignore-installed", "--only-binary=:all:", "--python-version", "3.11",
-               "--target", tempfile.mkdtemp(),
                *[arg for tag in tags for arg in ("--platform", tag)],
                *requirements]
-    result = subprocess.run(command, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as target:  # --platform requires a --target.
+      result = subprocess.run([*command, "--target", target], capture_output=True, text=True)
     if result.returncode != 0:
       failures += 1
       print(f"{name}: FAILED: {result.stderr.strip().splitlines()[-1]}")
