@@ -26,14 +26,15 @@ class ProfileWindow(periodic.EveryStepAction):
 
   def __init__(self, first: int, stop: int, logdir: str, steps_completed: int):
     self._first, self._stop, self._logdir = first, stop, logdir
-    self._active = False
+    self._active = self._traced = False
+    self._start_step = self._steps_completed = steps_completed
     if first <= steps_completed < stop:
       self._start(steps_completed)
 
   def _start(self, step: int) -> None:
     os.makedirs(self._logdir, exist_ok=True)
     jax.profiler.start_trace(self._logdir)
-    self._active = True
+    self._active = self._traced = True
     logging.info("[jaxline_ng] Profiling steps %d to %d into %s", step, self._stop - 1,
                  self._logdir)
 
@@ -46,6 +47,7 @@ class ProfileWindow(periodic.EveryStepAction):
                  self._first, step - 1, self._logdir, self._logdir)
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
+    self._steps_completed = step
     if self._active and step >= self._stop:
       self._end(step, scalars)
     elif not self._active and step == self._first:
@@ -58,3 +60,7 @@ class ProfileWindow(periodic.EveryStepAction):
       self._active = False
       logging.info("[jaxline_ng] Profile (cut short by the end of training) written to %s",
                    self._logdir)
+    elif not self._traced:  # A window the run never reached, or resumed past.
+      logging.warning("[jaxline_ng] Nothing profiled: config.profile_steps=(%d, %d) is outside "
+                      "the steps this run trained, %d to %d.", self._first, self._stop,
+                      self._start_step, self._steps_completed - 1)

@@ -304,6 +304,12 @@ def test_profile_window_traces_exactly_the_chosen_steps(tmp_path):
   assert steps == {3, 4, 5}
 
 
+def test_a_profile_window_the_run_never_reaches_is_reported(tmp_path, caplog):
+  run(make_config(checkpoint_dir=str(tmp_path), profile_steps=(30, 40), training_steps=10), Finite)
+  assert "profile_steps=(30, 40) is outside the steps this run trained, 0 to 9" in caplog.text
+  assert not os.path.exists(tmp_path / "train" / "profile")
+
+
 def test_run_record_contents(tmp_path):
   config = make_config(checkpoint_dir=str(tmp_path), non_finite_policy="off")
   config.my_key = "kept"
