@@ -504,6 +504,9 @@ def _read_meta(path: str) -> dict[str, Any]:
   if meta["digest"] != _digest(meta):
     raise UnusableCheckpoint("its metadata does not match the digest written with it "
                              "(changed or damaged after saving)")
+  directory = os.path.basename(os.path.normpath(path))
+  if directory.isdigit() and int(directory) != meta["step"]:
+    raise UnusableCheckpoint(f"it holds step {meta['step']!r}, not its directory's {directory}")
   return meta
 
 
@@ -551,6 +554,17 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
     if live_treedef is not None and live_treedef.num_leaves == len(leaves) and \
         live_treedef != jax.tree.structure(value):
       value = jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
+    elif value is not None and live_treedef is not None and \
+        not jax.tree_util.treedef_is_leaf(live_treedef):
+      # State that grows (a list appended to, a dict filled later) holds more
+      # than `__init__` built, never less: arrays only the live value has
+      # are a changed model's, which the saved value would leave unset.
+      saved = set(_named_leaves(name, value))
+      new = sorted(leaf_name for leaf_name, leaf in _named_leaves(name, live).items()
+                   if leaf_name not in saved
+                   and (isinstance(leaf, jax.ShapeDtypeStruct) or _is_array(leaf)))
+      if new:
+        raise _DoesNotFit(f"entry {name} lacks {', '.join(new)}, which the experiment's has")
     return value
   if live_treedef is not None and live_treedef.num_leaves == len(leaves):
     return jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
@@ -613,10 +627,14 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
       live_leaf = live_leaves.get("/".join(tree_path))
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
-      # A host value (a NON_BROADCAST NumPy buffer) takes the saved shape, as
-      # jaxline's restore by setattr did; device arrays keep the model's.
-      if isinstance(live_leaf, (jax.ShapeDtypeStruct, jax.Array)) and \
-          tuple(live_leaf.shape) != shape:
+      # The model's arrays keep their shapes. A NON_BROADCAST value (a buffer
+      # that grows) takes the saved one, as jaxline's restore by setattr did:
+      # `_live_layout` holds those as they are, NumPy or (pmap mode) device
+      # arrays, and the others as shapes; mesh mode places device arrays on
+      # their live shardings, so those keep their shapes too.
+      keeps_shape = isinstance(live_leaf, jax.ShapeDtypeStruct) or (
+          isinstance(live_leaf, jax.Array) and mesh_lib.active_mesh() is not None)
+      if keeps_shape and tuple(live_leaf.shape) != shape:
         saved_by, now = _describe_topology(meta["topology"]), _describe_topology(_topology())
         raise _DoesNotFit(
             f"{'/'.join(tree_path)} has shape {shape} but the experiment's is "
@@ -690,17 +708,24 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
   try:
     meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, training)
     values = [at(tree_path) for tree_path, *_ in expected]
+  except _DoesNotFit as e:
+    error = e
   except CheckpointRefused:
     raise
   except UnusableCheckpoint as e:
     error = e
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
     error = UnusableCheckpoint(f"its metadata is malformed ({type(e).__name__}: {e})")
-  everywhere = (error is None if not agree
-                else int(multihost.all_reduce_sum(np.int32(error is not None))) == 0)
+  # Every process refuses what one refuses, and falls back where one does.
+  damaged, mismatched = (
+      multihost.all_reduce_sum(np.array([isinstance(error, UnusableCheckpoint),
+                                         isinstance(error, _DoesNotFit)], np.int32))
+      if agree else (0, 0))
   if error is not None:
     raise error
-  if not everywhere:
+  if mismatched:
+    raise _DoesNotFit("another process's state does not fit it")
+  if damaged:
     raise UnusableCheckpoint("another process could not read its part")
   for (tree_path, shape, dtype, _), value in zip(expected, values):
     if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
@@ -799,9 +824,12 @@ def _live_layout(module) -> dict[str, Any]:
   # An attribute the first step creates is absent, not None, until then: jaxline
   # restores by setattr, so experiments written for it may leave it out of __init__.
   # Typed keys are saved as their raw data (`save`), so laid out as it.
+  def host_shape(leaf):  # Mesh mode: a replicated NumPy value has the model's shape too.
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if isinstance(leaf, np.ndarray) else leaf
+
   pmap_mode = mesh_lib.active_mesh() is None
-  layout = {name: jax.tree.map(one_copy, devices.raw_keys(getattr(module, attr, None)))
-            if pmap_mode else devices.raw_keys(getattr(module, attr, None))
+  layout = {name: jax.tree.map(one_copy if pmap_mode else host_shape,
+                               devices.raw_keys(getattr(module, attr, None)))
             for attr, name in attrs.items()}
   layout.update({name: devices.raw_keys(getattr(module, attr, None))
                  for attr, name in non_broadcast_attrs.items()})
@@ -1024,8 +1052,8 @@ class DiskCheckpointer:
         where = f"config.restore_path={self._restore_path!r}: " if seeding else ""
         hint = ", or a new checkpoint_dir" if training and not seeding else ""
         raise CheckpointRefused(
-            f"{where}checkpoint {candidate} does not fit the experiment: {e}: the code has "
-            f"changed since it was saved (use the code that saved it{hint})") from None
+            f"{where}checkpoint {candidate} does not fit the experiment: {e} (if its code "
+            f"has changed since, use the code that saved it{hint})") from None
       except CheckpointRefused:
         raise
       except (UnusableCheckpoint, KeyError, TypeError, IndexError, AttributeError) as e:

@@ -103,6 +103,16 @@ def _release(fd: int) -> None:
     os.close(fd)  # Closing the last descriptor releases the flock.
 
 
+def in_use(checkpoint_dir: str, role: str) -> bool:
+  """Whether a run holds `role`'s lock on `checkpoint_dir`, or ended without
+  releasing it: its file names a holder. Read only, so no run is kept out."""
+  try:
+    with open(os.path.join(checkpoint_dir, role, "run.lock"), "rb") as f:
+      return bool(f.read(1))
+  except FileNotFoundError:
+    return False
+
+
 @contextlib.contextmanager
 def held(checkpoint_dir: str, mode: str) -> Iterator[None]:
   """Holds the locks a run in `mode` takes on `checkpoint_dir` within the block.

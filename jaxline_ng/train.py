@@ -31,6 +31,7 @@ from jaxline_ng import (
   preemption,
   profiling,
   rng,
+  run_lock,
   run_record,
   xla_cpu,
 )
@@ -724,7 +725,9 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # --- Done? ---
     if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
       break
-    ended_at = _training_ended_at(experiment, config, state)
+    # train_eval_multithreaded's `stop_waiting` knows when its trainer ends.
+    ended_at = None if stop_waiting else _training_ended_at(experiment, config, state,
+                                                            follow_chief)
     if ended_at is not None:
       logging.warning("[jaxline_ng] Step %d ended the training run that saved it (its "
                       "training_steps=%d, this job's %s): no newer checkpoint will come.",
@@ -739,10 +742,12 @@ def evaluate(experiment_class, config, checkpointer, writer,
     raise preemption.Preempted(f"evaluation stopped by {preemption.stop_reason()}")
 
 
-def _training_ended_at(experiment, config, state) -> int | None:
+def _training_ended_at(experiment, config, state, follow_chief: bool) -> int | None:
   """The `training_steps` of the run that saved the restored checkpoint, if
-  the run ended at it: an eval job whose own `training_steps` is larger (the
-  trainer's was set on its command line) would otherwise wait forever."""
+  that run ended at it and no training run holds `checkpoint_dir` now (one
+  may be extending it): an eval job whose own `training_steps` is larger
+  (the trainer's was set on its command line) would otherwise wait forever.
+  With `follow_chief`, every process takes process 0's answer."""
   try:
     saved = json.loads(getattr(state, "run_config", None) or "{}").get("training_steps")
   except (TypeError, ValueError):  # Not ours: a checkpointer of the user's.
@@ -751,7 +756,12 @@ def _training_ended_at(experiment, config, state) -> int | None:
     return None
   trainer_config = config.copy_and_resolve_references()
   trainer_config.training_steps = saved
-  return None if experiment.should_run_step(state.global_step, trainer_config) else saved
+  if experiment.should_run_step(state.global_step, trainer_config):
+    return None
+  ended = not run_lock.in_use(config.checkpoint_dir, "train")
+  if follow_chief:
+    ended = bool(multihost.broadcast_from_chief(np.int32(ended)))
+  return saved if ended else None
 
 
 def flush_if_possible(writer) -> None:

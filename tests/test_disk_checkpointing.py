@@ -446,8 +446,16 @@ def _array_unlike_its_checksum(step_dir):
   _edit_meta(step_dir, edit)
 
 
+def _an_older_step_copied_over_it(step_dir):
+  """A sound checkpoint of this run, but not of this step (a hand copy gone wrong)."""
+  older = os.path.join(os.path.dirname(step_dir), "4")
+  shutil.rmtree(step_dir)
+  shutil.copytree(older, step_dir)
+
+
 @pytest.mark.parametrize("damage", [_random_bytes_into_data_files, _truncate, _empty,
-                                    _bad_value, _unexpected_entry, _array_unlike_its_checksum])
+                                    _bad_value, _unexpected_entry, _array_unlike_its_checksum,
+                                    _an_older_step_copied_over_it])
 def test_damaged_newest_checkpoint_is_moved_aside_and_saving_continues(tmp_path, caplog, damage):
   run(disk_config(tmp_path, 6))
   series = os.path.join(tmp_path, "checkpoints", "latest")
@@ -518,11 +526,52 @@ def test_a_newest_checkpoint_that_does_not_fit_is_refused_not_rolled_back_from(t
                   os.path.join(series, "4"))
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"checkpoint .*latest/4 does not fit the experiment: .*mu/w has "
-                           r"shape \(2, 5\) but the experiment's is \(2, 3\).*code has changed"):
+                           r"shape \(2, 5\) but the experiment's is \(2, 3\).*if its code"):
     run(disk_config(tmp_path / "run", 6))
   assert Rich.seen_steps == []
   assert series_steps(tmp_path / "run") == [2, 4]  # Nothing moved aside.
   assert not os.path.exists(disk_checkpointing.unusable_dir(series))
+
+
+class LayerAdded(Rich):
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._params = utils.bcast_local_devices(
+        {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3), "b2": jnp.zeros(3)})
+
+
+def test_a_checkpoint_lacking_arrays_the_experiment_has_is_refused_naming_them(tmp_path):
+  """Before, the saved dict replaced the live one and the step failed on the missing key."""
+  run(disk_config(tmp_path, 2))
+  config = disk_config(tmp_path, 4)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match="entry experiment_module/params lacks experiment_module/params/b2"):
+    train.train(LayerAdded, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
+class GrowingDeviceBuffer(Rich):
+  """A NON_BROADCAST device array that grows each step."""
+  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_seen": "seen"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._seen = jnp.zeros((0,))
+
+  def step(self, global_step, **unused):
+    self._seen = jnp.append(self._seen, float(utils.get_first(global_step)))
+    return super().step(global_step=global_step)
+
+
+def test_a_device_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
+  config = disk_config(tmp_path, 4)
+  train.train(GrowingDeviceBuffer, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+              None)
+  config = disk_config(tmp_path, 6)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(GrowingDeviceBuffer, config, checkpointer, None)
+  resumed = checkpointer.get_experiment_state("latest").experiment_module
+  np.testing.assert_array_equal(resumed._seen, np.arange(6))  # pylint: disable=protected-access
 
 
 class GrowingHostBuffer(Rich):

@@ -10,7 +10,16 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxline_ng import base_config, checkpointing, experiment, train, utils, writers
+from jaxline_ng import (
+  base_config,
+  checkpointing,
+  experiment,
+  preemption,
+  run_lock,
+  train,
+  utils,
+  writers,
+)
 
 
 def make_config(**overrides):
@@ -184,19 +193,51 @@ def test_each_checkpoint_evaluated_once_with_same_rng_and_stops_at_last_step():
   assert (rngs[0] == rngs[0][0]).all()
 
 
-def test_an_eval_job_stops_at_the_step_its_finished_training_run_ended_at():
+def _evaluate_or_stop_after(config, checkpointer, secs):
+  """Evaluates as an eval job does (no `stop_waiting`); a stop request ends a
+  wait still going after `secs`. Returns whether that was needed."""
+  timer = threading.Timer(secs, preemption.request_stop, args=("the test",))
+  timer.start()
+  try:
+    train.evaluate(Scripted, config, checkpointer, None, jaxline_mode="eval",
+                   poll_interval_secs=0.01)
+    return False
+  except preemption.Preempted:
+    return True
+  finally:
+    timer.cancel()
+    preemption.consume_stop_request()
+
+
+def test_an_eval_job_stops_at_the_step_its_finished_training_run_ended_at(tmp_path):
   """The trainer was launched with `--config.training_steps=4`, the eval job
   without it: no checkpoint after step 4 will come."""
   Scripted.SCORES = {4: 0.5}
-  trainer_config = make_config(training_steps=4)
+  trainer_config = make_config(training_steps=4, checkpoint_dir=str(tmp_path))
   checkpointer = checkpointing.InMemoryCheckpointer(trainer_config, "train")
   train.train(Scripted, trainer_config, checkpointer, None)
-  Scripted.calls, waits = [], []
-  train.evaluate(Scripted, make_config(training_steps=10), checkpointer, None,
-                 jaxline_mode="eval", poll_interval_secs=0.01,
-                 stop_waiting=lambda: waits.append(1) or len(waits) > 5)
+  Scripted.calls = []
+  eval_config = make_config(training_steps=10, checkpoint_dir=str(tmp_path))
+  assert not _evaluate_or_stop_after(eval_config, checkpointer, 30)
   assert [step for step, _, _ in Scripted.calls] == [4]
-  assert not waits
+  # A training run holding the directory (extending that run) is waited for.
+  Scripted.calls = []
+  with run_lock.held(str(tmp_path), "train"):
+    assert _evaluate_or_stop_after(eval_config, checkpointer, 1)
+  assert [step for step, _, _ in Scripted.calls] == [4]
+
+
+def test_train_eval_multithreaded_extending_a_finished_run_evaluates_to_its_end(tmp_path):
+  """The first checkpoint the evaluator sees is the finished run's: its trainer is extending it."""
+  Scripted.SCORES = {step: 0.0 for step in range(11)}
+  checkpointer = checkpointing.InMemoryCheckpointer(make_config(), "train")
+  train.train(Scripted, make_config(training_steps=4, checkpoint_dir=str(tmp_path)),
+              checkpointer, None)
+  Scripted.calls = []
+  config = make_config(training_steps=10, checkpoint_dir=str(tmp_path), interval_type="steps",
+                       save_checkpoint_interval=3)
+  train.train_eval_multithreaded(Scripted, config, checkpointer, None)
+  assert [step for step, _, _ in Scripted.calls][-1] == 10
 
 
 def test_one_off_evaluate_stops_after_one():

@@ -168,6 +168,31 @@ def test_a_mesh_run_resumes_state_that_init_left_uncommitted(tmp_path):
   assert int(checkpointer.get_experiment_state("latest").experiment_module._count) == 4  # pylint: disable=protected-access
 
 
+class WithHostTable(toy.Experiment):
+  """A replicated NumPy value among CHECKPOINT_ATTRS: part of the model, shape fixed."""
+  CHECKPOINT_ATTRS = {"_params": "params", "_table": "table"}
+  TABLE = 5
+
+  def __init__(self, mode, init_rng, config):
+    super().__init__(mode, init_rng, config)
+    self._table = np.zeros(self.TABLE, np.float32)
+
+
+class WithWiderHostTable(WithHostTable):
+  TABLE = 7
+
+
+def test_a_mesh_checkpoint_of_another_numpy_model_shape_is_refused(tmp_path):
+  config = toy_config(tmp_path, "mesh", steps=2, checkpointer="disk")
+  train.train(WithHostTable, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+              Recorder())
+  config.training_steps = 4
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"table has shape \(5,\) but the experiment's is \(7,\)"):
+    train.train(WithWiderHostTable, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+                Recorder())
+
+
 def test_a_truncated_shard_of_a_mesh_checkpoint_is_reported_in_one_line(tmp_path):
   # Large enough that orbax keeps it in a data file of its own, not inline.
   config = toy_config(tmp_path, "mesh", steps=2, mesh_shape="data:-1,model:2",
