@@ -256,10 +256,15 @@ def raw_keys(tree: Any) -> Any:
                       tree)
 
 
-def keys_like(live: Any, restored: Any) -> Any:
-  """`restored` with keys as `live`, the value it replaces, holds them: raw
-  data made typed keys where `live` holds typed ones, typed keys made raw
-  data where it holds arrays (a checkpoint of code that used the other kind)."""
+def restored_like(live: Any, restored: Any) -> Any:
+  """`restored` as `live`, the value it replaces, holds it.
+
+  Keys of the kind `live` holds: raw data made typed keys where `live` holds
+  typed ones, typed keys made raw data where it holds arrays (a checkpoint of
+  code that used the other kind). NumPy arrays (what a disk restore reads
+  to the host) back where the live arrays are: on its one device, or on its
+  devices when the shape is the same, so they stay `jax.Array`s.
+  """
 
   def like(live_leaf, restored_leaf):
     if is_typed_key(live_leaf) and not is_typed_key(restored_leaf):
@@ -267,6 +272,9 @@ def keys_like(live: Any, restored: Any) -> Any:
     if is_typed_key(restored_leaf) and isinstance(live_leaf, (jax.Array, np.ndarray)) and \
         not is_typed_key(live_leaf):
       return jax.random.key_data(restored_leaf)
+    if isinstance(live_leaf, jax.Array) and isinstance(restored_leaf, np.ndarray) and (
+        len(live_leaf.sharding.device_set) == 1 or live_leaf.shape == restored_leaf.shape):
+      return jax.device_put(restored_leaf, live_leaf.sharding)
     return restored_leaf
 
   try:

@@ -138,9 +138,9 @@ class AbstractExperiment(abc.ABC):
         value = devices.bcast_local_devices(snapshot_state[name])
       else:
         value = mesh_lib.restore_like(getattr(self, attr, None), snapshot_state[name])
-      setattr(self, attr, devices.keys_like(getattr(self, attr, None), value))
+      setattr(self, attr, devices.restored_like(getattr(self, attr, None), value))
     for attr, name in non_broadcast_attrs.items():
-      setattr(self, attr, devices.keys_like(getattr(self, attr, None), snapshot_state[name]))
+      setattr(self, attr, devices.restored_like(getattr(self, attr, None), snapshot_state[name]))
 
   def on_new_best_model(self, best_state) -> None:
     """Called after evaluation finds a new best metric, before `best` is saved.

@@ -143,12 +143,12 @@ def test_get_first_is_the_first_row_however_the_array_is_sharded():
   assert [float(read[0]) for read in devices.first_copies_to_host([scalars] * 5)] == [0.0] * 5
 
 
-def test_keys_like_gives_restored_keys_the_kind_the_live_value_has():
+def test_restored_like_gives_restored_keys_the_kind_the_live_value_has():
   """A checkpoint of code that used typed keys resumes code that uses raw ones, and back."""
   typed, raw = jax.random.key(3), jax.random.PRNGKey(3)
-  as_raw = devices.keys_like({"k": raw}, {"k": typed})["k"]
+  as_raw = devices.restored_like({"k": raw}, {"k": typed})["k"]
   assert not devices.is_typed_key(as_raw)
   np.testing.assert_array_equal(as_raw, raw)
-  as_typed = devices.keys_like({"k": typed}, {"k": np.asarray(raw)})["k"]
+  as_typed = devices.restored_like({"k": typed}, {"k": np.asarray(raw)})["k"]
   assert devices.is_typed_key(as_typed)
-  assert devices.keys_like(None, {"k": typed})["k"] is typed  # Built by the first step: as saved.
+  assert devices.restored_like(None, {"k": typed})["k"] is typed  # Built by the first step.

@@ -572,6 +572,11 @@ def test_a_device_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
   train.train(GrowingDeviceBuffer, config, checkpointer, None)
   resumed = checkpointer.get_experiment_state("latest").experiment_module
   np.testing.assert_array_equal(resumed._seen, np.arange(6))  # pylint: disable=protected-access
+  config = disk_config(tmp_path, 6)  # Restores, runs no step.
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(GrowingDeviceBuffer, config, checkpointer, None)
+  seen = checkpointer.get_experiment_state("latest").experiment_module._seen  # pylint: disable=protected-access
+  assert isinstance(seen, jax.Array), type(seen)  # As it was saved: `.at[]` works on it.
 
 
 class GrowingHostBuffer(Rich):
