@@ -504,9 +504,6 @@ def _read_meta(path: str) -> dict[str, Any]:
   if meta["digest"] != _digest(meta):
     raise UnusableCheckpoint("its metadata does not match the digest written with it "
                              "(changed or damaged after saving)")
-  directory = os.path.basename(os.path.normpath(path))
-  if directory.isdigit() and int(directory) != meta["step"]:
-    raise UnusableCheckpoint(f"it holds step {meta['step']!r}, not its directory's {directory}")
   return meta
 
 

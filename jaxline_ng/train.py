@@ -658,16 +658,31 @@ def evaluate(experiment_class, config, checkpointer, writer,
   evaluated_step = -1
   initial_weights_pending = config.eval_initial_weights
   asked_to_stop = False
+  finished_run_steps = None  # The training_steps of the finished run evaluated last.
+
+  def training_is_over():
+    # train_eval_multithreaded's trainer says when it ends. An eval job's
+    # `training_steps` may exceed those of the run it follows (set on the
+    # trainer's command line): it is done with that run's last checkpoint
+    # once no training run holds the directory (one extending it would).
+    if stop_waiting is not None:
+      return stop_waiting()
+    return finished_run_steps is not None and not run_lock.in_use(config.checkpoint_dir, "train")
+
   for decision in itertools.count():
     # --- Wait for something to evaluate. ---
     def next_checkpoint():
       return _next_checkpoint(checkpointer, restored, initial_weights_pending,
-                              stop_waiting, poll_interval_secs)
+                              training_is_over, poll_interval_secs)
     action, path = _agreed(decision, next_checkpoint) if follow_chief else next_checkpoint()
     if action == "stop":
       asked_to_stop = True
       break
     if action == "done":
+      if finished_run_steps is not None:
+        logging.warning("[jaxline_ng] Step %d ended the training run that saved it (its "
+                        "training_steps=%d, this job's %s): no newer checkpoint will come.",
+                        evaluated_step, finished_run_steps, config.training_steps)
       break
     if action == "restore":
       restored = _checkpoint_version(path)  # Before restoring: a save meanwhile is new.
@@ -725,14 +740,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # --- Done? ---
     if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
       break
-    # train_eval_multithreaded's `stop_waiting` knows when its trainer ends.
-    ended_at = None if stop_waiting else _training_ended_at(experiment, config, state,
-                                                            follow_chief)
-    if ended_at is not None:
-      logging.warning("[jaxline_ng] Step %d ended the training run that saved it (its "
-                      "training_steps=%d, this job's %s): no newer checkpoint will come.",
-                      state.global_step, ended_at, config.training_steps)
-      break
+    finished_run_steps = None if stop_waiting else _finished_run_steps(experiment, config, state)
   checkpointer.wait_for_checkpointing_to_finish()
   flush_if_possible(writer)
   if asked_to_stop:
@@ -742,12 +750,10 @@ def evaluate(experiment_class, config, checkpointer, writer,
     raise preemption.Preempted(f"evaluation stopped by {preemption.stop_reason()}")
 
 
-def _training_ended_at(experiment, config, state, follow_chief: bool) -> int | None:
+def _finished_run_steps(experiment, config, state) -> int | None:
   """The `training_steps` of the run that saved the restored checkpoint, if
-  that run ended at it and no training run holds `checkpoint_dir` now (one
-  may be extending it): an eval job whose own `training_steps` is larger
-  (the trainer's was set on its command line) would otherwise wait forever.
-  With `follow_chief`, every process takes process 0's answer."""
+  they differ from this job's and the run ended at it (by the experiment's
+  `should_run_step`)."""
   try:
     saved = json.loads(getattr(state, "run_config", None) or "{}").get("training_steps")
   except (TypeError, ValueError):  # Not ours: a checkpointer of the user's.
@@ -756,12 +762,7 @@ def _training_ended_at(experiment, config, state, follow_chief: bool) -> int | N
     return None
   trainer_config = config.copy_and_resolve_references()
   trainer_config.training_steps = saved
-  if experiment.should_run_step(state.global_step, trainer_config):
-    return None
-  ended = not run_lock.in_use(config.checkpoint_dir, "train")
-  if follow_chief:
-    ended = bool(multihost.broadcast_from_chief(np.int32(ended)))
-  return saved if ended else None
+  return None if experiment.should_run_step(state.global_step, trainer_config) else saved
 
 
 def flush_if_possible(writer) -> None:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxline_ng import disk_checkpointing
+from jaxline_ng import disk_checkpointing, run_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
@@ -239,14 +239,14 @@ def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tm
 
 def test_an_eval_job_beside_training_evaluates_the_same_steps_in_every_process(tmp_path):
   training = Launch(toy(tmp_path, PACED))
-  # It expects more steps than training makes, so it waits on until signalled.
+  # It expects more steps than training makes: it ends with the run's last
+  # checkpoint once the run has let go of the directory, in every process.
   evaluation = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
                           "--config.eval_poll_interval_secs=0.2"))
   assert training.finish() == 0, training.output
-  evaluation.wait_for(rf"^\[p0\] .*eval step {STEPS}:")
-  os.kill(evaluation.pid(1), signal.SIGTERM)
-  assert evaluation.finish() == 75, evaluation.output
-  assert evaluation.exit_codes() == [75, 75], evaluation.output
+  assert evaluation.finish() == 0, evaluation.output
+  assert evaluation.exit_codes() == [0, 0], evaluation.output
+  evaluation.wait_for(rf"^\[p0\] .*Step {STEPS} ended the training run that saved it")
   # The processes restore the disk checkpoints together, so they take the
   # same ones (the chief's choice) even as training saves new ones.
   evaluated = [[int(match.group(1)) for line in evaluation.lines
@@ -278,15 +278,17 @@ def test_sigterm_to_one_process_of_a_mesh_eval_job_stops_every_process(tmp_path)
   # checkpoint the chief chose, together.
   trained = run(toy(tmp_path, "--config.training_steps=20", *MESH))
   assert trained.process.returncode == 0, trained.output
-  # The eval job would wait for step 1000's checkpoint forever.
-  launch = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
-                      "--config.eval_poll_interval_secs=0.2", *MESH))
-  pids = [launch.pid(0), launch.pid(1)]
-  for index in range(2):
-    launch.wait_for(rf"^\[p{index}\] .*eval step 20:")
-  os.kill(pids[1], signal.SIGTERM)
-  # Stopped on request: 75 in every mode and every process.
-  assert launch.finish() == 75, launch.output
+  # The eval job waits for step 1000's checkpoint while a training run holds
+  # the directory (as one extending the run would).
+  with run_lock.held(str(tmp_path), "train"):
+    launch = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
+                        "--config.eval_poll_interval_secs=0.2", *MESH))
+    pids = [launch.pid(0), launch.pid(1)]
+    for index in range(2):
+      launch.wait_for(rf"^\[p{index}\] .*eval step 20:")
+    os.kill(pids[1], signal.SIGTERM)
+    # Stopped on request: 75 in every mode and every process.
+    assert launch.finish() == 75, launch.output
   assert launch.exit_codes() == [75, 75], launch.output
 
 
