@@ -262,8 +262,8 @@ def restored_like(live: Any, restored: Any) -> Any:
   Keys of the kind `live` holds: raw data made typed keys where `live` holds
   typed ones, typed keys made raw data where it holds arrays (a checkpoint of
   code that used the other kind). NumPy arrays (what a disk restore reads
-  to the host) back where the live arrays are: on its one device, or on its
-  devices when the shape is the same, so they stay `jax.Array`s.
+  to the host) back where the live arrays are, committed to them as those
+  were: on its one device, or on its devices when the shape is the same.
   """
 
   def like(live_leaf, restored_leaf):
@@ -274,7 +274,9 @@ def restored_like(live: Any, restored: Any) -> Any:
       return jax.random.key_data(restored_leaf)
     if isinstance(live_leaf, jax.Array) and isinstance(restored_leaf, np.ndarray) and (
         len(live_leaf.sharding.device_set) == 1 or live_leaf.shape == restored_leaf.shape):
-      return jax.device_put(restored_leaf, live_leaf.sharding)
+      # An uncommitted value stays so: jit moves it to the devices of the
+      # arrays it meets, which a value pinned to one device would refuse.
+      return jax.device_put(restored_leaf, live_leaf.sharding if live_leaf.committed else None)
     return restored_leaf
 
   try:

@@ -624,13 +624,13 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
       live_leaf = live_leaves.get("/".join(tree_path))
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
-      # The model's arrays keep their shapes. A NON_BROADCAST value (a buffer
-      # that grows) takes the saved one, as jaxline's restore by setattr did:
-      # `_live_layout` holds those as they are, NumPy or (pmap mode) device
-      # arrays, and the others as shapes; mesh mode places device arrays on
-      # their live shardings, so those keep their shapes too.
+      # The model's arrays keep their shapes: `_live_layout` gives replicated
+      # ones as shapes, and arrays over several devices (per-device pmap
+      # values, sharded global arrays) are placed as they are. A value on
+      # the host or on one device (a NON_BROADCAST buffer that grows) takes
+      # the saved shape, as jaxline's restore by setattr did.
       keeps_shape = isinstance(live_leaf, jax.ShapeDtypeStruct) or (
-          isinstance(live_leaf, jax.Array) and mesh_lib.active_mesh() is not None)
+          isinstance(live_leaf, jax.Array) and len(live_leaf.sharding.device_set) > 1)
       if keeps_shape and tuple(live_leaf.shape) != shape:
         saved_by, now = _describe_topology(meta["topology"]), _describe_topology(_topology())
         raise _DoesNotFit(
@@ -690,6 +690,21 @@ def _one_line_reason(error: BaseException) -> str:
   return "; caused by ".join(parts)
 
 
+def _raise_agreed(error: Exception | None, agree: bool) -> None:
+  """Raises `error`; with `agree`, every process raises what any one found:
+  each refuses what one refuses, or falls back where one does."""
+  damaged, mismatched = (
+      multihost.all_reduce_sum(np.array([isinstance(error, UnusableCheckpoint),
+                                         isinstance(error, CheckpointRefused)], np.int32))
+      if agree else (0, 0))
+  if error is not None:
+    raise error
+  if mismatched:
+    raise _DoesNotFit("another process's state does not fit it")
+  if damaged:
+    raise UnusableCheckpoint("another process could not read its part")
+
+
 def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
           training: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
   """Reads and checks a step directory: `(snapshot, its topology)`.
@@ -713,17 +728,7 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
     error = e
   except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
     error = UnusableCheckpoint(f"its metadata is malformed ({type(e).__name__}: {e})")
-  # Every process refuses what one refuses, and falls back where one does.
-  damaged, mismatched = (
-      multihost.all_reduce_sum(np.array([isinstance(error, UnusableCheckpoint),
-                                         isinstance(error, _DoesNotFit)], np.int32))
-      if agree else (0, 0))
-  if error is not None:
-    raise error
-  if mismatched:
-    raise _DoesNotFit("another process's state does not fit it")
-  if damaged:
-    raise UnusableCheckpoint("another process could not read its part")
+  _raise_agreed(error, agree)
   for (tree_path, shape, dtype, _), value in zip(expected, values):
     if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
       raise UnusableCheckpoint(f"array {'/'.join(tree_path)} is {value.dtype}{list(value.shape)} "
@@ -747,15 +752,20 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
     return at(leaf["array"])[()] if leaf.get("numpy_scalar") else at(leaf["array"])
 
   nest: dict[str, Any] = {}
-  for name, entry in entries.items():
-    if not wanted(name):
-      continue
-    leaves = [leaf_value(leaf) for leaf in entry["leaves"]]
-    value = _value_for(entry, leaves, live.get(name), name, training)
-    if name.startswith(_MODULE_PREFIX):
-      nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value
-    else:
-      nest[name] = value
+  error = None
+  try:
+    for name, entry in entries.items():
+      if not wanted(name):
+        continue
+      leaves = [leaf_value(leaf) for leaf in entry["leaves"]]
+      value = _value_for(entry, leaves, live.get(name), name, training)
+      if name.startswith(_MODULE_PREFIX):
+        nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value
+      else:
+        nest[name] = value
+  except CheckpointRefused as e:  # A process's own state: the others learn of it.
+    error = e
+  _raise_agreed(error, agree)
   step = nest.get("global_step")
   if not isinstance(step, int) or isinstance(step, bool) or step != meta["step"] or step < 0:
     raise UnusableCheckpoint(f"its global_step {step!r} is not the step {meta['step']!r} "

@@ -103,14 +103,21 @@ def _release(fd: int) -> None:
     os.close(fd)  # Closing the last descriptor releases the flock.
 
 
-def in_use(checkpoint_dir: str, role: str) -> bool:
-  """Whether a run holds `role`'s lock on `checkpoint_dir`, or ended without
-  releasing it: its file names a holder. Read only, so no run is kept out."""
+def holder(checkpoint_dir: str, role: str) -> str | None:
+  """Who holds `role`'s lock on `checkpoint_dir`, or ended without releasing
+  it (its file names them), described; None if no one. Read only, so no run
+  is kept out."""
   try:
     with open(os.path.join(checkpoint_dir, role, "run.lock"), "rb") as f:
-      return bool(f.read(1))
+      data = f.read(4096)
   except FileNotFoundError:
-    return False
+    return None
+  if not data.strip():
+    return None
+  try:
+    return _describe(json.loads(data))
+  except ValueError:
+    return _describe({})
 
 
 @contextlib.contextmanager

@@ -659,15 +659,28 @@ def evaluate(experiment_class, config, checkpointer, writer,
   initial_weights_pending = config.eval_initial_weights
   asked_to_stop = False
   finished_run_steps = None  # The training_steps of the finished run evaluated last.
+  polls_without_trainer = 0
 
   def training_is_over():
     # train_eval_multithreaded's trainer says when it ends. An eval job's
     # `training_steps` may exceed those of the run it follows (set on the
     # trainer's command line): it is done with that run's last checkpoint
-    # once no training run holds the directory (one extending it would).
+    # when no training run holds the directory at several polls in a row
+    # (one relaunched to extend the run takes a while to start).
+    nonlocal polls_without_trainer
     if stop_waiting is not None:
       return stop_waiting()
-    return finished_run_steps is not None and not run_lock.in_use(config.checkpoint_dir, "train")
+    if finished_run_steps is None:
+      return False
+    trainer = run_lock.holder(config.checkpoint_dir, "train")
+    if trainer is not None:
+      if polls_without_trainer >= 0:
+        logging.info("[jaxline_ng] Step %d ended the training run that saved it, but %s holds "
+                     "its train lock: waiting for its checkpoints.", evaluated_step, trainer)
+      polls_without_trainer = -1  # Said once.
+      return False
+    polls_without_trainer = max(polls_without_trainer, 0) + 1
+    return polls_without_trainer >= _POLLS_WITHOUT_TRAINER
 
   for decision in itertools.count():
     # --- Wait for something to evaluate. ---
@@ -741,6 +754,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
       break
     finished_run_steps = None if stop_waiting else _finished_run_steps(experiment, config, state)
+    polls_without_trainer = 0
   checkpointer.wait_for_checkpointing_to_finish()
   flush_if_possible(writer)
   if asked_to_stop:
@@ -748,6 +762,11 @@ def evaluate(experiment_class, config, checkpointer, writer,
                     f"after step {evaluated_step}" if evaluated_step >= 0
                     else "before evaluating any step")
     raise preemption.Preempted(f"evaluation stopped by {preemption.stop_reason()}")
+
+
+# How many polls in a row must find no training run holding the directory
+# before an eval job is done with the finished run it followed.
+_POLLS_WITHOUT_TRAINER = 3
 
 
 def _finished_run_steps(experiment, config, state) -> int | None:

@@ -152,3 +152,17 @@ def test_restored_like_gives_restored_keys_the_kind_the_live_value_has():
   as_typed = devices.restored_like({"k": typed}, {"k": np.asarray(raw)})["k"]
   assert devices.is_typed_key(as_typed)
   assert devices.restored_like(None, {"k": typed})["k"] is typed  # Built by the first step.
+
+
+def test_restored_like_puts_host_arrays_back_where_the_live_ones_are():
+  """A disk restore reads to NumPy; the experiment had device arrays."""
+  uncommitted, pinned = jnp.zeros(2), jax.device_put(jnp.zeros(2), jax.devices()[1])
+  per_device = jax.pmap(lambda x: x)(jnp.zeros((jax.local_device_count(), 2)))
+  restored = devices.restored_like(
+      {"u": uncommitted, "p": pinned, "d": per_device, "grown": pinned},
+      {"u": np.ones(2), "p": np.ones(2), "d": np.ones(per_device.shape), "grown": np.ones(5)})
+  # jit still moves an uncommitted value to the devices of what it meets.
+  assert isinstance(restored["u"], jax.Array) and not restored["u"].committed
+  assert restored["p"].committed and restored["p"].devices() == {jax.devices()[1]}
+  assert restored["grown"].shape == (5,) and restored["grown"].devices() == {jax.devices()[1]}
+  assert restored["d"].sharding == per_device.sharding

@@ -571,6 +571,33 @@ def test_a_device_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
   assert isinstance(seen, jax.Array), type(seen)  # As it was saved: `.at[]` works on it.
 
 
+class PerDevice(Rich):
+  """A NON_BROADCAST pmap output: one row per device, over DEVICES devices."""
+  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_rows": "rows"}
+  DEVICES = 4
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._rows = jax.pmap(lambda x: x, devices=jax.local_devices()[:self.DEVICES])(
+        jnp.arange(self.DEVICES, dtype=jnp.float32))
+
+
+class PerTwoDevices(PerDevice):
+  DEVICES = 2
+
+
+def test_a_per_device_value_saved_on_more_devices_is_refused(tmp_path):
+  """Its rows are the devices': it cannot take the saved shape as a buffer that grows does."""
+  config = disk_config(tmp_path, 2)
+  train.train(PerDevice, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+  config = disk_config(tmp_path, 4)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"experiment_module/rows has shape \(4,\) but the experiment's is "
+                           r"\(2,\)"):
+    train.train(PerTwoDevices, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+                None)
+
+
 class GrowingHostBuffer(Rich):
   """A NON_BROADCAST NumPy buffer that grows each step (a replay buffer)."""
   NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_seen": "seen"}

@@ -227,6 +227,22 @@ def test_an_eval_job_stops_at_the_step_its_finished_training_run_ended_at(tmp_pa
   assert [step for step, _, _ in Scripted.calls] == [4]
 
 
+def test_an_eval_job_waits_for_a_trainer_that_takes_the_lock_soon_after(tmp_path, monkeypatch,
+                                                                          caplog):
+  """A relaunch extending the finished run was submitted with the eval job
+  and takes a moment to start: one poll without it does not end the job."""
+  Scripted.SCORES = {4: 0.5}
+  trainer_config = make_config(training_steps=4, checkpoint_dir=str(tmp_path))
+  checkpointer = checkpointing.InMemoryCheckpointer(trainer_config, "train")
+  train.train(Scripted, trainer_config, checkpointer, None)
+  holders = iter([None, "process 7 on host h"])
+  monkeypatch.setattr(run_lock, "holder", lambda *_: next(holders, "process 7 on host h"))
+  eval_config = make_config(training_steps=10, checkpoint_dir=str(tmp_path))
+  caplog.set_level("INFO")
+  assert _evaluate_or_stop_after(eval_config, checkpointer, 1)
+  assert "but process 7 on host h holds its train lock" in caplog.text
+
+
 def test_train_eval_multithreaded_extending_a_finished_run_evaluates_to_its_end(tmp_path):
   """The first checkpoint the evaluator sees is the finished run's: its trainer is extending it."""
   Scripted.SCORES = {step: 0.0 for step in range(11)}
