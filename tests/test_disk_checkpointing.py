@@ -542,35 +542,6 @@ def test_a_checkpoint_lacking_arrays_the_experiment_has_is_refused_naming_them(t
     train.train(LayerAdded, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
-class GrowingDeviceBuffer(Rich):
-  """A NON_BROADCAST device array that grows each step."""
-  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_seen": "seen"}
-
-  def __init__(self, mode, init_rng):
-    super().__init__(mode, init_rng)
-    self._seen = jnp.zeros((0,))
-
-  def step(self, global_step, **unused):
-    self._seen = jnp.append(self._seen, float(utils.get_first(global_step)))
-    return super().step(global_step=global_step)
-
-
-def test_a_device_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
-  config = disk_config(tmp_path, 4)
-  train.train(GrowingDeviceBuffer, config, disk_checkpointing.DiskCheckpointer(config, "train"),
-              None)
-  config = disk_config(tmp_path, 6)
-  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-  train.train(GrowingDeviceBuffer, config, checkpointer, None)
-  resumed = checkpointer.get_experiment_state("latest").experiment_module
-  np.testing.assert_array_equal(resumed._seen, np.arange(6))  # pylint: disable=protected-access
-  config = disk_config(tmp_path, 6)  # Restores, runs no step.
-  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-  train.train(GrowingDeviceBuffer, config, checkpointer, None)
-  seen = checkpointer.get_experiment_state("latest").experiment_module._seen  # pylint: disable=protected-access
-  assert isinstance(seen, jax.Array), type(seen)  # As it was saved: `.at[]` works on it.
-
-
 class PerDevice(Rich):
   """A NON_BROADCAST pmap output: one row per device, over DEVICES devices."""
   NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_rows": "rows"}
@@ -598,30 +569,40 @@ def test_a_per_device_value_saved_on_more_devices_is_refused(tmp_path):
                 None)
 
 
-class GrowingHostBuffer(Rich):
-  """A NON_BROADCAST NumPy buffer that grows each step (a replay buffer)."""
+class GrowingBuffer(Rich):
+  """A NON_BROADCAST buffer that grows each step (a replay buffer), in NumPy."""
   NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_seen": "seen"}
+  xp = np
 
   def __init__(self, mode, init_rng):
     super().__init__(mode, init_rng)
-    self._seen = np.zeros((0, 2), np.float32)
+    self._seen = self.xp.zeros((0,), np.float32)
 
   def step(self, global_step, **unused):
-    step = int(utils.get_first(global_step))
-    self._seen = np.concatenate([self._seen, np.full((1, 2), step, np.float32)])
+    step = np.float32(utils.get_first(global_step))
+    self._seen = self.xp.append(self._seen, step)
     return super().step(global_step=global_step)
 
 
-def test_a_host_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
-  config = disk_config(tmp_path, 4)
-  train.train(GrowingHostBuffer, config, disk_checkpointing.DiskCheckpointer(config, "train"),
-              None)
-  config = disk_config(tmp_path, 6)
-  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-  train.train(GrowingHostBuffer, config, checkpointer, None)
-  resumed = checkpointer.get_experiment_state("latest").experiment_module
+class GrowingDeviceBuffer(GrowingBuffer):
+  xp = jnp
+
+
+@pytest.mark.parametrize("buffer_class, array_type", [(GrowingBuffer, np.ndarray),
+                                                      (GrowingDeviceBuffer, jax.Array)])
+def test_a_buffer_that_grows_resumes_with_its_saved_shape_and_type(tmp_path, buffer_class,
+                                                                   array_type):
+  def train_to(steps):
+    config = disk_config(tmp_path, steps)
+    checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+    train.train(buffer_class, config, checkpointer, None)
+    return checkpointer.get_experiment_state("latest").experiment_module._seen  # pylint: disable=protected-access
+
+  train_to(4)
+  np.testing.assert_array_equal(train_to(6), np.arange(6))
   assert Rich.seen_steps[-2:] == [4, 5]
-  np.testing.assert_array_equal(resumed._seen[:, 0], np.arange(6))  # pylint: disable=protected-access
+  seen = train_to(6)  # Restores, runs no step.
+  assert isinstance(seen, array_type), type(seen)  # As saved: `.at[]` works on a device one.
 
 
 def test_format_1_checkpoint_is_refused_naming_the_format(tmp_path):
