@@ -256,6 +256,24 @@ def raw_keys(tree: Any) -> Any:
                       tree)
 
 
+def split_axes(array: jax.Array) -> tuple[int, ...]:
+  """The axes of `array` its sharding splits over devices. A `NamedSharding`
+  names them in its spec, even over one device, as pmap's outputs do."""
+  sharding = array.sharding
+  if isinstance(sharding, NamedSharding):
+    return tuple(axis for axis, part in enumerate(sharding.spec) if part not in (None, ()))
+  return tuple(axis for axis, (piece, whole)
+               in enumerate(zip(sharding.shard_shape(array.shape), array.shape)) if piece != whole)
+
+
+def holds_shape(array: jax.Array, shape: tuple[int, ...]) -> bool:
+  """Whether a value of `shape` can take `array`'s place on its devices: the
+  same size along the axes split over them (a per-device array's device
+  axis), any size along the others (a buffer that grows)."""
+  return all(axis < len(shape) and shape[axis] == array.shape[axis]
+             for axis in split_axes(array))
+
+
 def restored_like(live: Any, restored: Any) -> Any:
   """`restored` as `live`, the value it replaces, holds it.
 
@@ -263,7 +281,7 @@ def restored_like(live: Any, restored: Any) -> Any:
   typed ones, typed keys made raw data where it holds arrays (a checkpoint of
   code that used the other kind). NumPy arrays (what a disk restore reads
   to the host) back where the live arrays are, committed to them as those
-  were: on its one device, or on its devices when the shape is the same.
+  were, when `holds_shape` says they can be.
   """
 
   def like(live_leaf, restored_leaf):
@@ -272,8 +290,8 @@ def restored_like(live: Any, restored: Any) -> Any:
     if is_typed_key(restored_leaf) and isinstance(live_leaf, (jax.Array, np.ndarray)) and \
         not is_typed_key(live_leaf):
       return jax.random.key_data(restored_leaf)
-    if isinstance(live_leaf, jax.Array) and isinstance(restored_leaf, np.ndarray) and (
-        len(live_leaf.sharding.device_set) == 1 or live_leaf.shape == restored_leaf.shape):
+    if isinstance(live_leaf, jax.Array) and isinstance(restored_leaf, np.ndarray) and \
+        holds_shape(live_leaf, restored_leaf.shape):
       # An uncommitted value stays so: jit moves it to the devices of the
       # arrays it meets, which a value pinned to one device would refuse.
       return jax.device_put(restored_leaf, live_leaf.sharding if live_leaf.committed else None)

@@ -527,6 +527,12 @@ def _in_live_order(entry: dict[str, Any], leaves: list, live: Any, name: str) ->
                     f"experiment's has {', '.join(new) or 'other values'}")
 
 
+def _some(names: list[str]) -> str:
+  """Up to three of `names`, and how many more."""
+  more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+  return ", ".join(names[:3]) + more
+
+
 def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
                training: bool) -> Any:
   """An entry's value: rebuilt from its skeleton, else in the live value's structure.
@@ -561,7 +567,7 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
                    if leaf_name not in saved
                    and (isinstance(leaf, jax.ShapeDtypeStruct) or _is_array(leaf)))
       if new:
-        raise _DoesNotFit(f"entry {name} lacks {', '.join(new)}, which the experiment's has")
+        raise _DoesNotFit(f"entry {name} lacks {_some(new)}, which the experiment's has")
     return value
   if live_treedef is not None and live_treedef.num_leaves == len(leaves):
     return jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
@@ -624,24 +630,31 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
       live_leaf = live_leaves.get("/".join(tree_path))
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
-      # The model's arrays keep their shapes: `_live_layout` gives replicated
-      # ones as shapes, and arrays over several devices (per-device pmap
-      # values, sharded global arrays) are placed as they are. A value on
-      # the host or on one device (a NON_BROADCAST buffer that grows) takes
-      # the saved shape, as jaxline's restore by setattr did.
-      keeps_shape = isinstance(live_leaf, jax.ShapeDtypeStruct) or (
-          isinstance(live_leaf, jax.Array) and len(live_leaf.sharding.device_set) > 1)
-      if keeps_shape and tuple(live_leaf.shape) != shape:
+      # The model's arrays (`_live_layout` gives them as shapes) keep their
+      # shapes and dtypes. Other arrays take the saved ones, as jaxline's
+      # restore by setattr did (a NON_BROADCAST buffer that grows), except
+      # along axes split over devices (a per-device value's device axis).
+      if name == "train_step_rng" and live.get(name) is not None and \
+          shape[-1:] != np.shape(live[name])[-1:]:
+        raise _DoesNotFit(
+            f"train_step_rng holds keys of {(shape or (0,))[-1]} words where this run's hold "
+            f"{np.shape(live[name])[-1]} (another PRNG implementation: jax_default_prng_impl)")
+      model = isinstance(live_leaf, jax.ShapeDtypeStruct)
+      if model and live_leaf.dtype != dtype:
+        raise _DoesNotFit(f"{'/'.join(tree_path)} has dtype {dtype} but the experiment's is "
+                          f"{live_leaf.dtype}")
+      if (model and tuple(live_leaf.shape) != shape) or (
+          isinstance(live_leaf, jax.Array) and not devices.holds_shape(live_leaf, shape)):
         saved_by, now = _describe_topology(meta["topology"]), _describe_topology(_topology())
         raise _DoesNotFit(
             f"{'/'.join(tree_path)} has shape {shape} but the experiment's is "
             f"{tuple(live_leaf.shape)}"
             + (f" (saved by {saved_by}, now {now})" if saved_by != now else ""))
       sharding = getattr(live_leaf, "sharding", None)
-      if isinstance(live_leaf, jax.Array) and mesh_lib.active_mesh() is not None and \
+      if sharding is not None and mesh_lib.active_mesh() is not None and \
           len(sharding.device_set) > 1:
-        arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=live_leaf.dtype)
-        target = jax.ShapeDtypeStruct(shape, live_leaf.dtype, sharding=sharding)
+        arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+        target = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
       else:
         arg = ocp.RestoreArgs(restore_type=np.ndarray)
         target = np.zeros((), dtype)  # Only its place in the tree matters.
@@ -815,8 +828,9 @@ def unusable_dir(series_dir: str) -> str:
 
 
 def _live_layout(module) -> dict[str, Any]:
-  """What `module.snapshot_state()` would hold, without copying: global arrays
-  as they are (for their shardings), one pmap copy as its shape and dtype."""
+  """What `module.snapshot_state()` would hold, without copying. The arrays of
+  `CHECKPOINT_ATTRS`, the model, are given as shapes (`jax.ShapeDtypeStruct`):
+  one pmap copy's, or a global array's with its sharding."""
   # Deferred: experiment imports this module's users, not the other way round.
   from jaxline_ng import experiment as experiment_lib
   if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
@@ -831,11 +845,13 @@ def _live_layout(module) -> dict[str, Any]:
   # An attribute the first step creates is absent, not None, until then: jaxline
   # restores by setattr, so experiments written for it may leave it out of __init__.
   # Typed keys are saved as their raw data (`save`), so laid out as it.
-  def host_shape(leaf):  # Mesh mode: a replicated NumPy value has the model's shape too.
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if isinstance(leaf, np.ndarray) else leaf
+  def global_shape(leaf):
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+    return leaf
 
   pmap_mode = mesh_lib.active_mesh() is None
-  layout = {name: jax.tree.map(one_copy if pmap_mode else host_shape,
+  layout = {name: jax.tree.map(one_copy if pmap_mode else global_shape,
                                devices.raw_keys(getattr(module, attr, None)))
             for attr, name in attrs.items()}
   layout.update({name: devices.raw_keys(getattr(module, attr, None))

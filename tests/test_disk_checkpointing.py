@@ -542,6 +542,37 @@ def test_a_checkpoint_lacking_arrays_the_experiment_has_is_refused_naming_them(t
     train.train(LayerAdded, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
+class HalfPrecision(Rich):
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), self._params)
+
+
+def test_a_checkpoint_of_another_dtype_is_refused(tmp_path):
+  """Before, the float32 weights replaced the bfloat16 ones and training went on in float32."""
+  run(disk_config(tmp_path, 2))
+  config = disk_config(tmp_path, 4)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match="params/b has dtype float32 but the experiment's is bfloat16"):
+    train.train(HalfPrecision, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+                None)
+
+
+def test_a_key_chain_of_another_prng_implementation_is_refused(tmp_path):
+  """Before, the first step failed in a traceback turning 2-word keys into rbg's 4-word ones."""
+  run(disk_config(tmp_path, 2))
+  default_impl = jax.config.jax_default_prng_impl
+  jax.config.update("jax_default_prng_impl", "rbg")
+  try:
+    with pytest.raises(disk_checkpointing.CheckpointRefused,
+                       match="train_step_rng holds keys of 2 words where this run's hold 4"):
+      run(disk_config(tmp_path, 4))
+  finally:
+    jax.config.update("jax_default_prng_impl", default_impl)
+  assert Rich.seen_steps == []
+
+
 class PerDevice(Rich):
   """A NON_BROADCAST pmap output: one row per device, over DEVICES devices."""
   NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_rows": "rows"}
@@ -557,16 +588,49 @@ class PerTwoDevices(PerDevice):
   DEVICES = 2
 
 
-def test_a_per_device_value_saved_on_more_devices_is_refused(tmp_path):
-  """Its rows are the devices': it cannot take the saved shape as a buffer that grows does."""
+class PerOneDevice(PerDevice):
+  DEVICES = 1
+
+
+@pytest.mark.parametrize("fewer", [PerTwoDevices, PerOneDevice])
+def test_a_per_device_value_saved_on_more_devices_is_refused(tmp_path, fewer):
+  """Its rows are the devices': it cannot take the saved shape as a buffer that grows does,
+  even on one device (before, it did there, and the first step failed in a traceback)."""
   config = disk_config(tmp_path, 2)
   train.train(PerDevice, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"experiment_module/rows has shape \(4,\) but the experiment's is "
-                           r"\(2,\)"):
-    train.train(PerTwoDevices, config, disk_checkpointing.DiskCheckpointer(config, "train"),
-                None)
+                           rf"\({fewer.DEVICES},\)"):
+    train.train(fewer, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
+class GrowingPerDeviceBuffer(Rich):
+  """A NON_BROADCAST pmap output that grows each step: a row of history per device."""
+  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_seen": "seen"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._seen = jax.pmap(lambda x: x)(jnp.zeros((jax.local_device_count(), 0)))
+    self._append = jax.pmap(lambda seen, step: jnp.append(seen, step.astype(seen.dtype)))
+
+  def step(self, global_step, **unused):
+    self._seen = self._append(self._seen, jnp.asarray(global_step))
+    return super().step(global_step=global_step)
+
+
+def test_a_per_device_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
+  """Before, the same code could not resume: its rows had grown since `__init__`."""
+  def train_to(steps):
+    config = disk_config(tmp_path, steps)
+    checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+    train.train(GrowingPerDeviceBuffer, config, checkpointer, None)
+    return checkpointer.get_experiment_state("latest").experiment_module._seen  # pylint: disable=protected-access
+
+  train_to(4)
+  seen = train_to(6)
+  assert isinstance(seen, jax.Array) and len(seen.sharding.device_set) == jax.local_device_count()
+  np.testing.assert_array_equal(np.asarray(seen), np.tile(np.arange(6), (seen.shape[0], 1)))
 
 
 class GrowingBuffer(Rich):

@@ -168,29 +168,56 @@ def test_a_mesh_run_resumes_state_that_init_left_uncommitted(tmp_path):
   assert int(checkpointer.get_experiment_state("latest").experiment_module._count) == 4  # pylint: disable=protected-access
 
 
-class WithHostTable(toy.Experiment):
-  """A replicated NumPy value among CHECKPOINT_ATTRS: part of the model, shape fixed."""
+class WithTable(toy.Experiment):
+  """A value among CHECKPOINT_ATTRS not placed on the mesh: part of the model, shape fixed."""
   CHECKPOINT_ATTRS = {"_params": "params", "_table": "table"}
   TABLE = 5
+  xp = np
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode, init_rng, config)
-    self._table = np.zeros(self.TABLE, np.float32)
+    self._table = self.xp.zeros(self.TABLE, np.float32)
 
 
-class WithWiderHostTable(WithHostTable):
-  TABLE = 7
-
-
-def test_a_mesh_checkpoint_of_another_numpy_model_shape_is_refused(tmp_path):
+@pytest.mark.parametrize("xp", [np, jax.numpy])
+def test_a_mesh_checkpoint_of_another_model_shape_off_the_mesh_is_refused(tmp_path, xp):
+  """A NumPy array, or a JAX array on one device (as a one-device mesh's are): before, the
+  latter took the saved shape as a buffer that grows does."""
+  table = type("Table", (WithTable,), {"xp": xp})
   config = toy_config(tmp_path, "mesh", steps=2, checkpointer="disk")
-  train.train(WithHostTable, config, disk_checkpointing.DiskCheckpointer(config, "train"),
-              Recorder())
+  train.train(table, config, disk_checkpointing.DiskCheckpointer(config, "train"), Recorder())
   config.training_steps = 4
+  wider = type("WiderTable", (table,), {"TABLE": 7})
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"table has shape \(5,\) but the experiment's is \(7,\)"):
-    train.train(WithWiderHostTable, config, disk_checkpointing.DiskCheckpointer(config, "train"),
-                Recorder())
+    train.train(wider, config, disk_checkpointing.DiskCheckpointer(config, "train"), Recorder())
+
+
+class WithGrowingHistory(toy.Experiment):
+  """A NON_BROADCAST global array replicated over the mesh that grows each step."""
+
+  def __init__(self, mode, init_rng, config):
+    super().__init__(mode, init_rng, config)
+    self.NON_BROADCAST_CHECKPOINT_ATTRS = {**self.NON_BROADCAST_CHECKPOINT_ATTRS,
+                                           "_history": "history"}
+    self._history = mesh.place(jax.numpy.zeros((0,)))  # Replicated.
+
+  def step(self, global_step, rng, writer):
+    self._history = jax.numpy.append(self._history, global_step)
+    return super().step(global_step, rng, writer)
+
+
+def test_a_mesh_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
+  """Before, the same code could not resume: the buffer had grown since `__init__`."""
+  config = toy_config(tmp_path, "mesh", steps=2, mesh_shape="data:-1,model:2",
+                      checkpointer="disk")
+  train.train(WithGrowingHistory, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+              Recorder())
+  config.training_steps = 4
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(WithGrowingHistory, config, checkpointer, Recorder())
+  history = checkpointer.get_experiment_state("latest").experiment_module._history  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(history), [0, 1, 2, 3])
 
 
 def test_a_truncated_shard_of_a_mesh_checkpoint_is_reported_in_one_line(tmp_path):
