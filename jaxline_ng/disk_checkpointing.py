@@ -1066,7 +1066,7 @@ class DiskCheckpointer:
     # The experiment's own mode: an evaluator may share the trainer's checkpointer.
     training = getattr(getattr(state, "experiment_module", None), "mode", self._mode) == "train"
     failures = []
-    for candidate in candidates:
+    for position, candidate in enumerate(candidates):
       try:
         nest, topology = _load(candidate, live, agree=self.every_process_saves,
                                training=training)
@@ -1080,8 +1080,8 @@ class DiskCheckpointer:
       except CheckpointRefused:
         raise
       except (UnusableCheckpoint, KeyError, TypeError, IndexError, AttributeError) as e:
-        logging.warning("[jaxline_ng] Checkpoint %s could not be loaded: %s; trying the "
-                        "previous one.", candidate, e)
+        logging.warning("[jaxline_ng] Checkpoint %s could not be loaded: %s%s", candidate, e,
+                        "; trying the previous one." if position + 1 < len(candidates) else ".")
         failures.append((candidate, e))
         continue
       if fresh_run and ckpt_series == "latest":

@@ -27,7 +27,7 @@ class ProfileWindow(periodic.EveryStepAction):
   def __init__(self, first: int, stop: int, logdir: str, steps_completed: int):
     self._first, self._stop, self._logdir = first, stop, logdir
     self._active = self._traced = False
-    self._start_step = self._steps_completed = steps_completed
+    self._traced_from = self._start_step = self._steps_completed = steps_completed
     if first <= steps_completed < stop:
       self._start(steps_completed)
 
@@ -35,6 +35,7 @@ class ProfileWindow(periodic.EveryStepAction):
     os.makedirs(self._logdir, exist_ok=True)
     jax.profiler.start_trace(self._logdir)
     self._active = self._traced = True
+    self._traced_from = step
     logging.info("[jaxline_ng] Profiling steps %d to %d into %s", step, self._stop - 1,
                  self._logdir)
 
@@ -44,7 +45,7 @@ class ProfileWindow(periodic.EveryStepAction):
     self._active = False
     logging.info("[jaxline_ng] Profile of steps %d to %d written to %s "
                  "(tensorboard --logdir %s, Profile tab)",
-                 self._first, step - 1, self._logdir, self._logdir)
+                 self._traced_from, step - 1, self._logdir, self._logdir)
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
     self._steps_completed = step
@@ -61,6 +62,8 @@ class ProfileWindow(periodic.EveryStepAction):
       logging.info("[jaxline_ng] Profile (cut short by the end of training) written to %s",
                    self._logdir)
     elif not self._traced:  # A window the run never reached, or resumed past.
+      trained = (f"the steps this run trained, {self._start_step} to "
+                 f"{self._steps_completed - 1}" if self._steps_completed > self._start_step
+                 else f"this run, which trained no step (it began at {self._start_step})")
       logging.warning("[jaxline_ng] Nothing profiled: config.profile_steps=(%d, %d) is outside "
-                      "the steps this run trained, %d to %d.", self._first, self._stop,
-                      self._start_step, self._steps_completed - 1)
+                      "%s.", self._first, self._stop, trained)

@@ -252,7 +252,7 @@ def test_a_restore_path_whose_newest_checkpoint_is_damaged_seeds_from_the_one_be
 
 
 @pytest.mark.parametrize("where", ["missing", "empty"])
-def test_an_unusable_restore_path_is_refused_naming_the_config_key(tmp_path, where):
+def test_an_unusable_restore_path_is_refused_naming_the_config_key(tmp_path, where, caplog):
   os.makedirs(tmp_path / "empty")
   restore_path = str(tmp_path / where)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
@@ -260,6 +260,7 @@ def test_an_unusable_restore_path_is_refused_naming_the_config_key(tmp_path, whe
     run(disk_config(tmp_path / "fresh", 2, restore_path=restore_path))
   if where == "empty":  # Not orbax's "Item meta was not found. Available items: []".
     assert str(raised.value).endswith("it is not a checkpoint: it has no meta/ item")
+  assert "trying the previous one" not in caplog.text  # There is none.
 
 
 def test_best_series_on_disk_keeps_metric_value(tmp_path):

@@ -24,6 +24,7 @@ from jaxline_ng import (
   guards,
   platform,
   preemption,
+  profiling,
   run_record,
   train,
   utils,
@@ -308,6 +309,17 @@ def test_a_profile_window_the_run_never_reaches_is_reported(tmp_path, caplog):
   run(make_config(checkpoint_dir=str(tmp_path), profile_steps=(30, 40), training_steps=10), Finite)
   assert "profile_steps=(30, 40) is outside the steps this run trained, 0 to 9" in caplog.text
   assert not os.path.exists(tmp_path / "train" / "profile")
+
+
+def test_a_resumed_profile_window_reports_the_steps_it_traced(tmp_path, caplog):
+  """A run resumed at step 20 inside the window (5, 25) traces steps 20 to 24, not 5 to 24;
+  one resumed at its last step trains none."""
+  caplog.set_level("INFO")
+  window = profiling.ProfileWindow(5, 25, str(tmp_path / "a"), steps_completed=20)
+  window(0.0, 25, {})
+  assert "Profile of steps 20 to 24 written" in caplog.text
+  profiling.ProfileWindow(30, 40, str(tmp_path / "b"), steps_completed=20).finish()
+  assert "outside this run, which trained no step (it began at 20)" in caplog.text
 
 
 def test_run_record_contents(tmp_path):
