@@ -266,12 +266,19 @@ def split_axes(array: jax.Array) -> tuple[int, ...]:
                in enumerate(zip(sharding.shard_shape(array.shape), array.shape)) if piece != whole)
 
 
-def holds_shape(array: jax.Array, shape: tuple[int, ...]) -> bool:
-  """Whether a value of `shape` can take `array`'s place on its devices: the
-  same size along the axes split over them (a per-device array's device
-  axis), any size along the others (a buffer that grows)."""
-  return all(axis < len(shape) and shape[axis] == array.shape[axis]
-             for axis in split_axes(array))
+def holds_shape(array: jax.Array, shape: tuple[int, ...], one_row_per_device: bool) -> bool:
+  """Whether a value of `shape` can take `array`'s place on its devices: any
+  size along the axes not split over them (a buffer that grows). Along split
+  axes the size must be the same when each device holds one row (a pmap
+  value's device axis), and otherwise divide evenly over the devices."""
+  if one_row_per_device:
+    return all(axis < len(shape) and shape[axis] == array.shape[axis]
+               for axis in split_axes(array))
+  try:
+    array.sharding.shard_shape(tuple(shape))
+  except (ValueError, IndexError):
+    return False
+  return True
 
 
 def restored_like(live: Any, restored: Any) -> Any:
@@ -291,7 +298,7 @@ def restored_like(live: Any, restored: Any) -> Any:
         not is_typed_key(live_leaf):
       return jax.random.key_data(restored_leaf)
     if isinstance(live_leaf, jax.Array) and isinstance(restored_leaf, np.ndarray) and \
-        holds_shape(live_leaf, restored_leaf.shape):
+        holds_shape(live_leaf, restored_leaf.shape, one_row_per_device=False):
       # An uncommitted value stays so: jit moves it to the devices of the
       # arrays it meets, which a value pinned to one device would refuse.
       return jax.device_put(restored_leaf, live_leaf.sharding if live_leaf.committed else None)

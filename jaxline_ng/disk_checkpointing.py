@@ -630,24 +630,28 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
       live_leaf = live_leaves.get("/".join(tree_path))
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
-      # The model's arrays (`_live_layout` gives them as shapes) keep their
-      # shapes and dtypes. Other arrays take the saved ones, as jaxline's
-      # restore by setattr did (a NON_BROADCAST buffer that grows), except
-      # along axes split over devices (a per-device value's device axis).
+      # The model's arrays (`_live_layout` gives them as shapes) keep the
+      # shapes and dtypes `__init__` gives them; a weakly typed value's dtype
+      # follows what it meets, and NumPy's 64-bit ones are JAX's 32-bit ones.
+      # Other arrays take the saved ones, as jaxline's restore by setattr did
+      # (a NON_BROADCAST buffer that grows), except along axes split over
+      # devices (a pmap value's device axis).
       if name == "train_step_rng" and live.get(name) is not None and \
           shape[-1:] != np.shape(live[name])[-1:]:
         raise _DoesNotFit(
             f"train_step_rng holds keys of {(shape or (0,))[-1]} words where this run's hold "
             f"{np.shape(live[name])[-1]} (another PRNG implementation: jax_default_prng_impl)")
       model = isinstance(live_leaf, jax.ShapeDtypeStruct)
-      if model and live_leaf.dtype != dtype:
-        raise _DoesNotFit(f"{'/'.join(tree_path)} has dtype {dtype} but the experiment's is "
-                          f"{live_leaf.dtype}")
+      if model and not live_leaf.weak_type and \
+          jax.dtypes.canonicalize_dtype(live_leaf.dtype) != jax.dtypes.canonicalize_dtype(dtype):
+        raise _DoesNotFit(f"{'/'.join(tree_path)} has dtype {dtype} but the experiment's "
+                          f"__init__ makes it {live_leaf.dtype}")
       if (model and tuple(live_leaf.shape) != shape) or (
-          isinstance(live_leaf, jax.Array) and not devices.holds_shape(live_leaf, shape)):
+          isinstance(live_leaf, jax.Array) and not devices.holds_shape(
+              live_leaf, shape, one_row_per_device=mesh_lib.active_mesh() is None)):
         saved_by, now = _describe_topology(meta["topology"]), _describe_topology(_topology())
         raise _DoesNotFit(
-            f"{'/'.join(tree_path)} has shape {shape} but the experiment's is "
+            f"{'/'.join(tree_path)} has shape {shape} but the experiment's __init__ makes it "
             f"{tuple(live_leaf.shape)}"
             + (f" (saved by {saved_by}, now {now})" if saved_by != now else ""))
       sharding = getattr(live_leaf, "sharding", None)
@@ -706,16 +710,22 @@ def _one_line_reason(error: BaseException) -> str:
 def _raise_agreed(error: Exception | None, agree: bool) -> None:
   """Raises `error`; with `agree`, every process raises what any one found:
   each refuses what one refuses, or falls back where one does."""
-  damaged, mismatched = (
-      multihost.all_reduce_sum(np.array([isinstance(error, UnusableCheckpoint),
-                                         isinstance(error, CheckpointRefused)], np.int32))
-      if agree else (0, 0))
+  if not agree:
+    if error is not None:
+      raise error
+    return
+  # Per process: whether it found damage, and whether a mismatch, so each names the others.
+  found = np.zeros((2, jax.process_count()), np.int32)
+  found[:, jax.process_index()] = (isinstance(error, UnusableCheckpoint),
+                                   isinstance(error, CheckpointRefused))
+  damaged, mismatched = (np.flatnonzero(row).tolist() for row in multihost.all_reduce_sum(found))
   if error is not None:
     raise error
   if mismatched:
-    raise _DoesNotFit("another process's state does not fit it")
+    raise _DoesNotFit(f"the state of process {', '.join(map(str, mismatched))} does not fit it "
+                      "(its log names the difference)")
   if damaged:
-    raise UnusableCheckpoint("another process could not read its part")
+    raise UnusableCheckpoint(f"process {', '.join(map(str, damaged))} could not read its part")
 
 
 def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
@@ -847,7 +857,8 @@ def _live_layout(module) -> dict[str, Any]:
   # Typed keys are saved as their raw data (`save`), so laid out as it.
   def global_shape(leaf):
     if isinstance(leaf, (jax.Array, np.ndarray)):
-      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None),
+                                  weak_type=getattr(leaf, "weak_type", False))
     return leaf
 
   pmap_mode = mesh_lib.active_mesh() is None

@@ -138,18 +138,28 @@ def restore_like(live: Any, saved: Any) -> Any:
                     else saved_leaf)
       return jax.random.wrap_key_data(put(jax.random.key_data(live_leaf), saved_data),
                                       impl=jax.random.key_impl(live_leaf))
-    if isinstance(live_leaf, jax.Array) and not live_leaf.committed:
+    if not isinstance(live_leaf, jax.Array):
+      return saved_leaf
+    # A weakly typed value takes its dtype from what it met (a float32 scalar
+    # scaled by bfloat16 is bfloat16): the saved one is the run's.
+    dtype = live_leaf.dtype
+    if live_leaf.weak_type:
+      dtype = saved_leaf.dtype if hasattr(saved_leaf, "dtype") else np.result_type(saved_leaf)
+    if not live_leaf.committed:
       # Made outside jit and never placed (optax's `count`): jit moves it where
       # needed. Put on its one device it would be committed there, and jit
       # would refuse to mix it with the mesh's arrays in the resumed run.
-      return jax.device_put(np.asarray(saved_leaf, dtype=live_leaf.dtype))
-    if isinstance(saved_leaf, jax.Array) and isinstance(live_leaf, jax.Array) and \
-        saved_leaf.sharding == live_leaf.sharding and saved_leaf.dtype == live_leaf.dtype:
+      return jax.device_put(np.asarray(saved_leaf, dtype=dtype))
+    if isinstance(saved_leaf, jax.Array) and saved_leaf.sharding == live_leaf.sharding and \
+        saved_leaf.dtype == dtype:
       return saved_leaf  # Already placed (a disk checkpoint's arrays, any process count).
-    if isinstance(live_leaf, jax.Array):
-      return jax.device_put(np.asarray(saved_leaf, dtype=live_leaf.dtype), live_leaf.sharding)
-    return saved_leaf
+    return jax.device_put(np.asarray(saved_leaf, dtype=dtype), live_leaf.sharding)
 
   if live is None:
     return saved
+  if jax.tree.structure(live) != jax.tree.structure(saved):
+    # State grown since `__init__` (a layer added, an EMA filled): restored as
+    # saved, as jaxline's setattr did, with host values replicated as model state is.
+    return jax.tree.map(
+        lambda leaf: replicate(leaf) if isinstance(leaf, (np.ndarray, np.generic)) else leaf, saved)
   return jax.tree.map(put, live, saved)

@@ -17,7 +17,16 @@ import numpy as np
 import optax
 import pytest
 
-from jaxline_ng import base_config, devices, disk_checkpointing, experiment, train, utils, writers
+from jaxline_ng import (
+  base_config,
+  devices,
+  disk_checkpointing,
+  experiment,
+  multihost,
+  train,
+  utils,
+  writers,
+)
 
 Moments = collections.namedtuple("Moments", ["mean", "count"])
 
@@ -493,7 +502,8 @@ def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path):
   run(disk_config(tmp_path, 2))
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
-                     match=r"params/w has shape \(2, 3\) but the experiment's is \(2, 5\)") as e:
+                     match=r"params/w has shape \(2, 3\) but the experiment's __init__ makes "
+                           r"it \(2, 5\)") as e:
     train.train(Wider, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
   assert str(e.value).count("params") == 1, e.value  # The entry is named once.
 
@@ -519,7 +529,8 @@ def test_a_newest_checkpoint_that_does_not_fit_is_refused_not_rolled_back_from(t
                   os.path.join(series, "4"))
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"checkpoint .*latest/4 does not fit the experiment: .*mu/w has "
-                           r"shape \(2, 5\) but the experiment's is \(2, 3\).*if its code"):
+                           r"shape \(2, 5\) but the experiment's __init__ makes it \(2, 3\)"
+                           r".*if its code"):
     run(disk_config(tmp_path / "run", 6))
   assert Rich.seen_steps == []
   assert series_steps(tmp_path / "run") == [2, 4]  # Nothing moved aside.
@@ -555,9 +566,44 @@ def test_a_checkpoint_of_another_dtype_is_refused(tmp_path):
   run(disk_config(tmp_path, 2))
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
-                     match="params/b has dtype float32 but the experiment's is bfloat16"):
+                     match="params/b has dtype float32 but the experiment's __init__ makes "
+                           "it bfloat16"):
     train.train(HalfPrecision, config, disk_checkpointing.DiskCheckpointer(config, "train"),
                 None)
+
+
+class NumPyScale(Rich):
+  """Model state `__init__` makes in NumPy's float64, which JAX's step makes float32."""
+  CHECKPOINT_ATTRS = {**Rich.CHECKPOINT_ATTRS, "_scale": "scale"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._scale = np.ones((jax.local_device_count(),))
+    self._double = jax.pmap(lambda scale: scale * 2)
+
+  def step(self, global_step, **unused):
+    self._scale = self._double(self._scale)
+    return super().step(global_step=global_step)
+
+
+def test_numpy_64_bit_model_state_resumes_as_jax_made_it(tmp_path):
+  """Before, the same code could not resume: float32 was taken for another dtype."""
+  def train_to(steps):
+    config = disk_config(tmp_path, steps)
+    checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+    train.train(NumPyScale, config, checkpointer, None)
+    return checkpointer.get_experiment_state("latest").experiment_module._scale  # pylint: disable=protected-access
+
+  train_to(2)
+  np.testing.assert_array_equal(np.asarray(train_to(4)), 16.0)
+
+
+def test_processes_refusing_together_name_the_one_that_found_the_difference(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  monkeypatch.setattr(multihost, "all_reduce_sum", lambda found: found + [[0, 0, 0], [0, 0, 1]])
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"the state of process 2 does not fit it \(its log names"):
+    disk_checkpointing._raise_agreed(None, agree=True)  # pylint: disable=protected-access
 
 
 def test_a_key_chain_of_another_prng_implementation_is_refused(tmp_path):
@@ -601,8 +647,8 @@ def test_a_per_device_value_saved_on_more_devices_is_refused(tmp_path, fewer):
   train.train(PerDevice, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
-                     match=r"experiment_module/rows has shape \(4,\) but the experiment's is "
-                           rf"\({fewer.DEVICES},\)"):
+                     match=r"experiment_module/rows has shape \(4,\) but the experiment's "
+                           rf"__init__ makes it \({fewer.DEVICES},\)"):
     train.train(fewer, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 

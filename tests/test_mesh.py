@@ -189,35 +189,48 @@ def test_a_mesh_checkpoint_of_another_model_shape_off_the_mesh_is_refused(tmp_pa
   config.training_steps = 4
   wider = type("WiderTable", (table,), {"TABLE": 7})
   with pytest.raises(disk_checkpointing.CheckpointRefused,
-                     match=r"table has shape \(5,\) but the experiment's is \(7,\)"):
+                     match=r"table has shape \(5,\) but the experiment's __init__ makes it \(7,\)"):
     train.train(wider, config, disk_checkpointing.DiskCheckpointer(config, "train"), Recorder())
 
 
-class WithGrowingHistory(toy.Experiment):
-  """A NON_BROADCAST global array replicated over the mesh that grows each step."""
+class WithGrowingState(toy.Experiment):
+  """State that changes as it trains, with the same code: a NON_BROADCAST history that grows
+  (replicated, or sharded along the axis it grows on), a model EMA filled at the first step,
+  and a weakly typed model scalar that takes bfloat16 from what it meets."""
+  SPEC = ()  # The history's partition spec.
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode, init_rng, config)
     self.NON_BROADCAST_CHECKPOINT_ATTRS = {**self.NON_BROADCAST_CHECKPOINT_ATTRS,
                                            "_history": "history"}
-    self._history = mesh.place(jax.numpy.zeros((0,)))  # Replicated.
+    self.CHECKPOINT_ATTRS = {**self.CHECKPOINT_ATTRS, "_ema": "ema", "_scale": "scale"}
+    self._history = mesh.place(jax.numpy.zeros((0,)), *self.SPEC)
+    self._ema = {}
+    self._scale = mesh.replicate(jax.numpy.asarray(1.0))
 
   def step(self, global_step, rng, writer):
-    self._history = jax.numpy.append(self._history, global_step)
+    self._history = jax.numpy.append(self._history, jax.numpy.full(2, global_step))
+    self._ema = {"params": self._params * 1}  # A copy: the step donates `_params`.
+    self._scale = self._scale * jax.numpy.bfloat16(1)
     return super().step(global_step, rng, writer)
 
 
-def test_a_mesh_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
-  """Before, the same code could not resume: the buffer had grown since `__init__`."""
+@pytest.mark.parametrize("spec", [(), ("data",)])
+def test_mesh_state_that_changes_as_it_trains_resumes_as_saved(tmp_path, spec):
+  """Before, the same code could not resume: refused for the history's and the scale's
+  changes since `__init__`, a traceback for the EMA."""
+  experiment_class = type("Growing", (WithGrowingState,), {"SPEC": spec})
   config = toy_config(tmp_path, "mesh", steps=2, mesh_shape="data:-1,model:2",
                       checkpointer="disk")
-  train.train(WithGrowingHistory, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+  train.train(experiment_class, config, disk_checkpointing.DiskCheckpointer(config, "train"),
               Recorder())
   config.training_steps = 4
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-  train.train(WithGrowingHistory, config, checkpointer, Recorder())
-  history = checkpointer.get_experiment_state("latest").experiment_module._history  # pylint: disable=protected-access
-  np.testing.assert_array_equal(np.asarray(history), [0, 1, 2, 3])
+  train.train(experiment_class, config, checkpointer, Recorder())
+  resumed = checkpointer.get_experiment_state("latest").experiment_module
+  np.testing.assert_array_equal(np.asarray(resumed._history), [0, 0, 1, 1, 2, 2, 3, 3])  # pylint: disable=protected-access
+  assert resumed._scale.dtype == jax.numpy.bfloat16  # pylint: disable=protected-access
+  assert len(resumed._ema["params"].sharding.device_set) == jax.device_count()  # pylint: disable=protected-access
 
 
 def test_a_truncated_shard_of_a_mesh_checkpoint_is_reported_in_one_line(tmp_path):
