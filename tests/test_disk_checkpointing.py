@@ -88,6 +88,21 @@ def run(config):
   return checkpointer.get_experiment_state("latest").experiment_module
 
 
+@pytest.fixture(scope="module")
+def rich_at_2_steps(tmp_path_factory):
+  """A disk run of `Rich` trained to step 2, made once per module (see `trained_to_2`)."""
+  path = tmp_path_factory.mktemp("rich_at_2_steps")
+  run(disk_config(path, 2))
+  return path
+
+
+@pytest.fixture
+def trained_to_2(tmp_path, rich_at_2_steps):
+  """`tmp_path` holding a copy of `rich_at_2_steps`: what `run(disk_config(tmp_path, 2))` makes."""
+  shutil.copytree(rich_at_2_steps, tmp_path, dirs_exist_ok=True)
+  return tmp_path
+
+
 def series_steps(tmp_path, series="latest"):
   return disk_checkpointing._steps(os.path.join(tmp_path, "checkpoints", series))  # pylint: disable=protected-access
 
@@ -491,7 +506,7 @@ def test_no_usable_checkpoint_is_refused_and_nothing_is_moved(tmp_path):
   assert not os.path.exists(disk_checkpointing.unusable_dir(series))
 
 
-def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path):
+def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path, trained_to_2):
 
   class Wider(Rich):
 
@@ -499,7 +514,6 @@ def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path):
       super().__init__(mode, init_rng)
       self._params = utils.bcast_local_devices({"w": jnp.zeros((2, 5)), "b": jnp.zeros(3)})
 
-  run(disk_config(tmp_path, 2))
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"params/w has shape \(2, 3\) but the experiment's __init__ makes "
@@ -545,9 +559,9 @@ class LayerAdded(Rich):
         {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3), "b2": jnp.zeros(3)})
 
 
-def test_a_checkpoint_lacking_arrays_the_experiment_has_is_refused_naming_them(tmp_path):
+def test_a_checkpoint_lacking_arrays_the_experiment_has_is_refused_naming_them(tmp_path,
+                                                                               trained_to_2):
   """Before, the saved dict replaced the live one and the step failed on the missing key."""
-  run(disk_config(tmp_path, 2))
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match="entry experiment_module/params lacks experiment_module/params/b2"):
@@ -561,9 +575,8 @@ class HalfPrecision(Rich):
     self._params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), self._params)
 
 
-def test_a_checkpoint_of_another_dtype_is_refused(tmp_path):
+def test_a_checkpoint_of_another_dtype_is_refused(tmp_path, trained_to_2):
   """Before, the float32 weights replaced the bfloat16 ones and training went on in float32."""
-  run(disk_config(tmp_path, 2))
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match="params/b has dtype float32 but the experiment's __init__ makes "
@@ -606,9 +619,8 @@ def test_processes_refusing_together_name_the_one_that_found_the_difference(monk
     disk_checkpointing._raise_agreed(None, agree=True)  # pylint: disable=protected-access
 
 
-def test_a_key_chain_of_another_prng_implementation_is_refused(tmp_path):
+def test_a_key_chain_of_another_prng_implementation_is_refused(tmp_path, trained_to_2):
   """Before, the first step failed in a traceback turning 2-word keys into rbg's 4-word ones."""
-  run(disk_config(tmp_path, 2))
   default_impl = jax.config.jax_default_prng_impl
   jax.config.update("jax_default_prng_impl", "rbg")
   try:
@@ -1175,9 +1187,8 @@ def test_a_dataclass_that_does_not_rebuild_is_refused_not_trained_afresh(tmp_pat
                'database at local file "/x/": Failed to write 113 bytes to file 9: No space '
                "left on device [os_error_code='28']"),
 ])
-def test_a_full_disk_stops_training_with_one_line_naming_the_directory(tmp_path, monkeypatch,
-                                                                      error):
-  run(disk_config(tmp_path, 2))
+def test_a_full_disk_stops_training_with_one_line_naming_the_directory(tmp_path, trained_to_2,
+                                                                      monkeypatch, error):
 
   def no_space(*args, **kwargs):
     raise error
