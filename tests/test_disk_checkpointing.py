@@ -88,6 +88,14 @@ def run(config):
   return checkpointer.get_experiment_state("latest").experiment_module
 
 
+def train_to(experiment_class, tmp_path, steps):
+  """Trains (or resumes) `experiment_class` on disk in `tmp_path` to `steps`; its experiment."""
+  config = disk_config(tmp_path, steps)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(experiment_class, config, checkpointer, None)
+  return checkpointer.get_experiment_state("latest").experiment_module
+
+
 @pytest.fixture(scope="module")
 def rich_at_2_steps(tmp_path_factory):
   """A disk run of `Rich` trained to step 2, made once per module (see `trained_to_2`)."""
@@ -601,14 +609,8 @@ class NumPyScale(Rich):
 
 def test_numpy_64_bit_model_state_resumes_as_jax_made_it(tmp_path):
   """Before, the same code could not resume: float32 was taken for another dtype."""
-  def train_to(steps):
-    config = disk_config(tmp_path, steps)
-    checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-    train.train(NumPyScale, config, checkpointer, None)
-    return checkpointer.get_experiment_state("latest").experiment_module._scale  # pylint: disable=protected-access
-
-  train_to(2)
-  np.testing.assert_array_equal(np.asarray(train_to(4)), 16.0)
+  train_to(NumPyScale, tmp_path, 2)
+  np.testing.assert_array_equal(np.asarray(train_to(NumPyScale, tmp_path, 4)._scale), 16.0)  # pylint: disable=protected-access
 
 
 def test_processes_refusing_together_name_the_one_that_found_the_difference(monkeypatch):
@@ -680,14 +682,8 @@ class GrowingPerDeviceBuffer(Rich):
 
 def test_a_per_device_buffer_that_grows_resumes_with_its_saved_shape(tmp_path):
   """Before, the same code could not resume: its rows had grown since `__init__`."""
-  def train_to(steps):
-    config = disk_config(tmp_path, steps)
-    checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-    train.train(GrowingPerDeviceBuffer, config, checkpointer, None)
-    return checkpointer.get_experiment_state("latest").experiment_module._seen  # pylint: disable=protected-access
-
-  train_to(4)
-  seen = train_to(6)
+  train_to(GrowingPerDeviceBuffer, tmp_path, 4)
+  seen = train_to(GrowingPerDeviceBuffer, tmp_path, 6)._seen  # pylint: disable=protected-access
   assert isinstance(seen, jax.Array) and len(seen.sharding.device_set) == jax.local_device_count()
   np.testing.assert_array_equal(np.asarray(seen), np.tile(np.arange(6), (seen.shape[0], 1)))
 
@@ -715,16 +711,11 @@ class GrowingDeviceBuffer(GrowingBuffer):
                                                       (GrowingDeviceBuffer, jax.Array)])
 def test_a_buffer_that_grows_resumes_with_its_saved_shape_and_type(tmp_path, buffer_class,
                                                                    array_type):
-  def train_to(steps):
-    config = disk_config(tmp_path, steps)
-    checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-    train.train(buffer_class, config, checkpointer, None)
-    return checkpointer.get_experiment_state("latest").experiment_module._seen  # pylint: disable=protected-access
-
-  train_to(4)
-  np.testing.assert_array_equal(train_to(6), np.arange(6))
+  train_to(buffer_class, tmp_path, 4)
+  np.testing.assert_array_equal(train_to(buffer_class, tmp_path, 6)._seen, np.arange(6))  # pylint: disable=protected-access
   assert Rich.seen_steps[-2:] == [4, 5]
-  seen = train_to(6)  # Restores, runs no step.
+  # Restores, runs no step.
+  seen = train_to(buffer_class, tmp_path, 6)._seen  # pylint: disable=protected-access
   assert isinstance(seen, array_type), type(seen)  # As saved: `.at[]` works on a device one.
 
 

@@ -157,15 +157,20 @@ class WithUncommittedCount(toy.Experiment):
     return super().step(global_step, rng, writer)
 
 
-def test_a_mesh_run_resumes_state_that_init_left_uncommitted(tmp_path):
+def resumed_mesh_run(experiment_class, tmp_path):
+  """`experiment_class` trained on disk to step 2, then resumed to 4: its experiment."""
   config = toy_config(tmp_path, "mesh", steps=2, mesh_shape="data:-1,model:2",
                       checkpointer="disk")
-  train.train(WithUncommittedCount, config, disk_checkpointing.DiskCheckpointer(config, "train"),
+  train.train(experiment_class, config, disk_checkpointing.DiskCheckpointer(config, "train"),
               Recorder())
   config.training_steps = 4
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-  train.train(WithUncommittedCount, config, checkpointer, Recorder())  # Resumed at step 2.
-  assert int(checkpointer.get_experiment_state("latest").experiment_module._count) == 4  # pylint: disable=protected-access
+  train.train(experiment_class, config, checkpointer, Recorder())
+  return checkpointer.get_experiment_state("latest").experiment_module
+
+
+def test_a_mesh_run_resumes_state_that_init_left_uncommitted(tmp_path):
+  assert int(resumed_mesh_run(WithUncommittedCount, tmp_path)._count) == 4  # pylint: disable=protected-access
 
 
 class WithTable(toy.Experiment):
@@ -219,14 +224,7 @@ class WithGrowingState(toy.Experiment):
 def test_mesh_state_that_changes_as_it_trains_resumes_as_saved(tmp_path):
   """Before, the same code could not resume: refused for the histories' and the scale's
   changes since `__init__`, a traceback for the EMA."""
-  config = toy_config(tmp_path, "mesh", steps=2, mesh_shape="data:-1,model:2",
-                      checkpointer="disk")
-  train.train(WithGrowingState, config, disk_checkpointing.DiskCheckpointer(config, "train"),
-              Recorder())
-  config.training_steps = 4
-  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
-  train.train(WithGrowingState, config, checkpointer, Recorder())
-  resumed = checkpointer.get_experiment_state("latest").experiment_module
+  resumed = resumed_mesh_run(WithGrowingState, tmp_path)
   np.testing.assert_array_equal(np.asarray(resumed._history), [0, 1, 2, 3])  # pylint: disable=protected-access
   np.testing.assert_array_equal(np.asarray(resumed._rows), [0, 0, 1, 1, 2, 2, 3, 3])  # pylint: disable=protected-access
   assert resumed._scale.dtype == jax.numpy.bfloat16  # pylint: disable=protected-access
