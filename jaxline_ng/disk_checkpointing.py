@@ -420,14 +420,15 @@ def _topology() -> dict[str, Any]:
   return {"placement": "pmap" if mesh is None else "mesh",
           "process_count": jax.process_count(),
           "local_device_count": jax.local_device_count(),
-          "mesh": None if mesh is None else dict(mesh.shape)}
+          "mesh": None if mesh is None else dict(mesh.shape),
+          "x64": bool(jax.config.jax_enable_x64)}
 
 
 def _warn_if_another_topology(topology: dict[str, Any], step: int) -> None:
   """The key chain continues on any topology (`rng.place_chain`), but each
   device's step keys then differ from the saved run's: say so."""
   now = _topology()
-  if any(topology.get(key) != value for key, value in now.items()):
+  if any(topology.get(key, value) != value for key, value in now.items()):
     logging.warning(
         "[jaxline_ng] The checkpoint was saved by %s, this run is %s: training continues from "
         "step %d with the same key chain, but each device's step keys differ from the saved "
@@ -533,6 +534,15 @@ def _some(names: list[str]) -> str:
   return ", ".join(names[:3]) + more
 
 
+def _per_device_elsewhere(live_leaf: jax.Array, shape: tuple[int, ...],
+                          meta: dict[str, Any]) -> bool:
+  """Whether `live_leaf` holds a row per local device (pmap) and the saved
+  value one per device of another count: it cannot run on this topology."""
+  saved_devices = meta["topology"].get("local_device_count")
+  return (mesh_lib.active_mesh() is None and 0 in devices.split_axes(live_leaf)
+          and shape[:1] == (saved_devices,) and saved_devices != live_leaf.shape[0])
+
+
 def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
                training: bool) -> Any:
   """An entry's value: rebuilt from its skeleton, else in the live value's structure.
@@ -590,6 +600,11 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
 def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
   """`_load` up to the checksums: what every process does on its own."""
   meta = _read_meta(path)
+  # Without the same x64 setting its 64-bit arrays would not read back as they were written.
+  saved_x64 = meta["topology"].get("x64", jax.config.jax_enable_x64)
+  if saved_x64 != jax.config.jax_enable_x64:
+    raise _DoesNotFit(f"it was saved with jax_enable_x64={saved_x64}, and this run has "
+                      f"{jax.config.jax_enable_x64}")
   live = _named_entries(live_nest)
   wants_module = "experiment_module" in live_nest
   entries = meta["entries"]
@@ -631,29 +646,27 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
       saved = meta["arrays"]["/".join(tree_path)]
       shape, dtype = tuple(saved["shape"]), np.dtype(saved["dtype"])
       # The model's arrays (`_live_layout` gives them as shapes) keep the
-      # shapes and dtypes `__init__` gives them; a weakly typed value's dtype
-      # follows what it meets, and NumPy's 64-bit ones are JAX's 32-bit ones.
-      # Other arrays take the saved ones, as jaxline's restore by setattr did
-      # (a NON_BROADCAST buffer that grows), except along axes split over
-      # devices (a pmap value's device axis).
+      # shapes `__init__` gives them; their dtype may drift as they train
+      # (bfloat16 weights scaled by a float32), so it is the saved one, as
+      # jaxline restored. Other arrays are restored as saved, as jaxline's
+      # setattr did (a NON_BROADCAST buffer that grows): onto their live
+      # devices where the saved shape fits them, else on the host.
       if name == "train_step_rng" and live.get(name) is not None and \
           shape[-1:] != np.shape(live[name])[-1:]:
         raise _DoesNotFit(
             f"train_step_rng holds keys of {(shape or (0,))[-1]} words where this run's hold "
             f"{np.shape(live[name])[-1]} (another PRNG implementation: jax_default_prng_impl)")
-      model = isinstance(live_leaf, jax.ShapeDtypeStruct)
-      if model and not live_leaf.weak_type and \
-          jax.dtypes.canonicalize_dtype(live_leaf.dtype) != jax.dtypes.canonicalize_dtype(dtype):
-        raise _DoesNotFit(f"{'/'.join(tree_path)} has dtype {dtype} but the experiment's "
-                          f"__init__ makes it {live_leaf.dtype}")
-      if (model and tuple(live_leaf.shape) != shape) or (
-          isinstance(live_leaf, jax.Array) and not devices.holds_shape(
-              live_leaf, shape, one_row_per_device=mesh_lib.active_mesh() is None)):
+      pmap_mode = mesh_lib.active_mesh() is None
+      if (isinstance(live_leaf, jax.ShapeDtypeStruct) and tuple(live_leaf.shape) != shape) or (
+          isinstance(live_leaf, jax.Array) and _per_device_elsewhere(live_leaf, shape, meta)):
         saved_by, now = _describe_topology(meta["topology"]), _describe_topology(_topology())
         raise _DoesNotFit(
             f"{'/'.join(tree_path)} has shape {shape} but the experiment's __init__ makes it "
             f"{tuple(live_leaf.shape)}"
             + (f" (saved by {saved_by}, now {now})" if saved_by != now else ""))
+      if isinstance(live_leaf, jax.Array) and not devices.holds_shape(
+          live_leaf, shape, one_row_per_device=pmap_mode):
+        live_leaf = None
       sharding = getattr(live_leaf, "sharding", None)
       if sharding is not None and mesh_lib.active_mesh() is not None and \
           len(sharding.device_set) > 1:

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -140,20 +141,20 @@ def restore_like(live: Any, saved: Any) -> Any:
                                       impl=jax.random.key_impl(live_leaf))
     if not isinstance(live_leaf, jax.Array):
       return saved_leaf
-    # A weakly typed value takes its dtype from what it met (a float32 scalar
-    # scaled by bfloat16 is bfloat16): the saved one is the run's.
-    dtype = live_leaf.dtype
-    if live_leaf.weak_type:
-      dtype = saved_leaf.dtype if hasattr(saved_leaf, "dtype") else np.result_type(saved_leaf)
-    if not live_leaf.committed:
-      # Made outside jit and never placed (optax's `count`): jit moves it where
-      # needed. Put on its one device it would be committed there, and jit
-      # would refuse to mix it with the mesh's arrays in the resumed run.
-      return jax.device_put(np.asarray(saved_leaf, dtype=dtype))
-    if isinstance(saved_leaf, jax.Array) and saved_leaf.sharding == live_leaf.sharding and \
-        saved_leaf.dtype == dtype:
+    # The saved dtype is the run's: state may change dtype as it trains (a
+    # weakly typed scalar scaled by bfloat16 is bfloat16).
+    dtype = saved_leaf.dtype if hasattr(saved_leaf, "dtype") else np.result_type(saved_leaf)
+    if live_leaf.weak_type and live_leaf.ndim == 0 and dtype == live_leaf.dtype:
+      # Still a Python number's weak type, so it goes on taking the dtype of what it meets.
+      value = jnp.asarray(np.asarray(saved_leaf).item())
+    elif isinstance(saved_leaf, jax.Array) and saved_leaf.sharding == live_leaf.sharding:
       return saved_leaf  # Already placed (a disk checkpoint's arrays, any process count).
-    return jax.device_put(np.asarray(saved_leaf, dtype=dtype), live_leaf.sharding)
+    else:
+      value = np.asarray(saved_leaf, dtype=dtype)
+    # A value made outside jit and never placed (optax's `count`) stays so: jit
+    # moves it where needed, and one committed to its device would be refused
+    # beside the mesh's arrays in the resumed run.
+    return jax.device_put(value, live_leaf.sharding if live_leaf.committed else None)
 
   if live is None:
     return saved

@@ -576,21 +576,27 @@ def test_a_checkpoint_lacking_arrays_the_experiment_has_is_refused_naming_them(t
     train.train(LayerAdded, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
-class HalfPrecision(Rich):
+class DriftsToFloat32(Rich):
+  """bfloat16 weights that training makes float32 (a float32 scale), as code may by accident."""
 
   def __init__(self, mode, init_rng):
     super().__init__(mode, init_rng)
     self._params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), self._params)
+    self._scale = jax.pmap(lambda params: jax.tree.map(lambda x: x * jnp.float32(1), params))
+
+  def step(self, global_step, **unused):
+    self._params = self._scale(self._params)
+    return super().step(global_step=global_step)
 
 
-def test_a_checkpoint_of_another_dtype_is_refused(tmp_path, trained_to_2):
-  """Before, the float32 weights replaced the bfloat16 ones and training went on in float32."""
-  config = disk_config(tmp_path, 4)
-  with pytest.raises(disk_checkpointing.CheckpointRefused,
-                     match="params/b has dtype float32 but the experiment's __init__ makes "
-                           "it bfloat16"):
-    train.train(HalfPrecision, config, disk_checkpointing.DiskCheckpointer(config, "train"),
-                None)
+def test_model_state_whose_dtype_drifts_in_training_resumes_as_saved(tmp_path):
+  """Before, the same code could not resume: the float32 weights were refused for
+  `__init__`'s bfloat16."""
+  Rich.seen_steps = []
+  train_to(DriftsToFloat32, tmp_path, 2)
+  resumed = train_to(DriftsToFloat32, tmp_path, 4)
+  assert Rich.seen_steps == [0, 1, 2, 3]  # Resumed at 2.
+  assert utils.get_first(resumed._params)["w"].dtype == jnp.float32  # pylint: disable=protected-access
 
 
 class NumPyScale(Rich):
@@ -619,6 +625,20 @@ def test_processes_refusing_together_name_the_one_that_found_the_difference(monk
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"the state of process 2 does not fit it \(its log names"):
     disk_checkpointing._raise_agreed(None, agree=True)  # pylint: disable=protected-access
+
+
+def test_a_checkpoint_of_another_x64_setting_is_refused_not_called_damaged(tmp_path,
+                                                                           trained_to_2):
+  """Before, a 64-bit array read back as 32 bits failed its checksum: the intact checkpoint
+  was moved aside as damaged and the run rolled back to an older one."""
+  jax.config.update("jax_enable_x64", True)
+  try:
+    with pytest.raises(disk_checkpointing.CheckpointRefused,
+                       match="saved with jax_enable_x64=False, and this run has True"):
+      run(disk_config(tmp_path, 4))
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  assert series_steps(tmp_path) == [2]
 
 
 def test_a_key_chain_of_another_prng_implementation_is_refused(tmp_path, trained_to_2):
@@ -664,6 +684,22 @@ def test_a_per_device_value_saved_on_more_devices_is_refused(tmp_path, fewer):
                      match=r"experiment_module/rows has shape \(4,\) but the experiment's "
                            rf"__init__ makes it \({fewer.DEVICES},\)"):
     train.train(fewer, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
+class ReducedPerDevice(PerDevice):
+  """A per-device value that the first step reduces to one number."""
+
+  def step(self, global_step, **unused):
+    self._rows = jnp.sum(self._rows)
+    return super().step(global_step=global_step)
+
+
+def test_a_per_device_value_reduced_in_training_resumes_as_saved(tmp_path):
+  """Before, the same code could not resume: its device axis was gone since `__init__`."""
+  Rich.seen_steps = []
+  train_to(ReducedPerDevice, tmp_path, 2)
+  assert float(train_to(ReducedPerDevice, tmp_path, 4)._rows) == 6  # pylint: disable=protected-access
+  assert Rich.seen_steps == [0, 1, 2, 3]  # Resumed at 2.
 
 
 class GrowingPerDeviceBuffer(Rich):

@@ -200,22 +200,24 @@ def test_a_mesh_checkpoint_of_another_model_shape_off_the_mesh_is_refused(tmp_pa
 
 class WithGrowingState(toy.Experiment):
   """State that changes as it trains, with the same code: NON_BROADCAST histories that grow,
-  one replicated and one sharded along the axis it grows on, a model EMA filled at the first
-  step, and a weakly typed model scalar that takes bfloat16 from what it meets."""
+  replicated, sharded along the axis they grow on (one to sizes its sharding cannot split), a
+  model EMA filled at the first step, and a weakly typed model scalar that takes bfloat16."""
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode, init_rng, config)
     self.NON_BROADCAST_CHECKPOINT_ATTRS = {**self.NON_BROADCAST_CHECKPOINT_ATTRS,
-                                           "_history": "history", "_rows": "rows"}
+                                           "_history": "history", "_rows": "rows", "_odd": "odd"}
     self.CHECKPOINT_ATTRS = {**self.CHECKPOINT_ATTRS, "_ema": "ema", "_scale": "scale"}
     self._history = mesh.place(jax.numpy.zeros((0,)))
     self._rows = mesh.place(jax.numpy.zeros((0,)), "data")
+    self._odd = mesh.place(jax.numpy.zeros((2,)), "data")  # Grows to sizes "data" cannot split.
     self._ema = {}
     self._scale = mesh.replicate(jax.numpy.asarray(1.0))
 
   def step(self, global_step, rng, writer):
     self._history = jax.numpy.append(self._history, global_step)
     self._rows = jax.numpy.append(self._rows, jax.numpy.full(2, global_step))
+    self._odd = jax.numpy.append(self._odd, jax.numpy.full(global_step + 1, global_step))
     self._ema = {"params": self._params * 1}  # A copy: the step donates `_params`.
     self._scale = self._scale * jax.numpy.bfloat16(1)
     return super().step(global_step, rng, writer)
@@ -227,6 +229,7 @@ def test_mesh_state_that_changes_as_it_trains_resumes_as_saved(tmp_path):
   resumed = resumed_mesh_run(WithGrowingState, tmp_path)
   np.testing.assert_array_equal(np.asarray(resumed._history), [0, 1, 2, 3])  # pylint: disable=protected-access
   np.testing.assert_array_equal(np.asarray(resumed._rows), [0, 0, 1, 1, 2, 2, 3, 3])  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(resumed._odd), [0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 3])  # pylint: disable=protected-access
   assert resumed._scale.dtype == jax.numpy.bfloat16  # pylint: disable=protected-access
   assert len(resumed._ema["params"].sharding.device_set) == jax.device_count()  # pylint: disable=protected-access
 
