@@ -668,8 +668,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
           live_leaf, shape, one_row_per_device=pmap_mode):
         live_leaf = None
       sharding = getattr(live_leaf, "sharding", None)
-      if sharding is not None and mesh_lib.active_mesh() is not None and \
-          len(sharding.device_set) > 1:
+      if sharding is not None and not pmap_mode and len(sharding.device_set) > 1:
         arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
         target = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
       else:
