@@ -627,31 +627,24 @@ def test_processes_refusing_together_name_the_one_that_found_the_difference(monk
     disk_checkpointing._raise_agreed(None, agree=True)  # pylint: disable=protected-access
 
 
-def test_a_checkpoint_of_another_x64_setting_is_refused_not_called_damaged(tmp_path,
-                                                                           trained_to_2):
-  """Before, a 64-bit array read back as 32 bits failed its checksum: the intact checkpoint
-  was moved aside as damaged and the run rolled back to an older one."""
-  jax.config.update("jax_enable_x64", True)
+@pytest.mark.parametrize("option, value, message", [
+    # Before, a 64-bit array read back as 32 bits failed its checksum: the intact checkpoint
+    # was moved aside as damaged and the run rolled back to an older one.
+    ("jax_enable_x64", True, "saved with jax_enable_x64=False, and this run has True"),
+    # Before, the first step failed in a traceback turning 2-word keys into rbg's 4-word ones.
+    ("jax_default_prng_impl", "rbg", "train_step_rng holds keys of 2 words where this run's "
+                                     "hold 4"),
+])
+def test_a_checkpoint_of_another_jax_setting_is_refused(tmp_path, trained_to_2, option, value,
+                                                        message):
+  saved_value = getattr(jax.config, option)
+  jax.config.update(option, value)
   try:
-    with pytest.raises(disk_checkpointing.CheckpointRefused,
-                       match="saved with jax_enable_x64=False, and this run has True"):
+    with pytest.raises(disk_checkpointing.CheckpointRefused, match=message):
       run(disk_config(tmp_path, 4))
   finally:
-    jax.config.update("jax_enable_x64", False)
-  assert series_steps(tmp_path) == [2]
-
-
-def test_a_key_chain_of_another_prng_implementation_is_refused(tmp_path, trained_to_2):
-  """Before, the first step failed in a traceback turning 2-word keys into rbg's 4-word ones."""
-  default_impl = jax.config.jax_default_prng_impl
-  jax.config.update("jax_default_prng_impl", "rbg")
-  try:
-    with pytest.raises(disk_checkpointing.CheckpointRefused,
-                       match="train_step_rng holds keys of 2 words where this run's hold 4"):
-      run(disk_config(tmp_path, 4))
-  finally:
-    jax.config.update("jax_default_prng_impl", default_impl)
-  assert Rich.seen_steps == []
+    jax.config.update(option, saved_value)
+  assert Rich.seen_steps == [] and series_steps(tmp_path) == [2]
 
 
 class PerDevice(Rich):
