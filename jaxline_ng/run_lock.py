@@ -108,16 +108,14 @@ def holder(checkpoint_dir: str, role: str) -> str | None:
   it (its file names them), described; None if no one. Read only, so no run
   is kept out."""
   try:
-    with open(os.path.join(checkpoint_dir, role, "run.lock"), "rb") as f:
-      data = f.read(4096)
+    fd = os.open(os.path.join(checkpoint_dir, role, "run.lock"), os.O_RDONLY)
   except FileNotFoundError:
     return None
-  if not data.strip():
-    return None
   try:
-    return _describe(json.loads(data))
-  except ValueError:
-    return _describe({})
+    facts = _holder(fd)
+  finally:
+    os.close(fd)
+  return _describe(facts) if facts else None
 
 
 @contextlib.contextmanager
