@@ -57,8 +57,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   # A checkpoint directory to start a fresh run from ("" for none).
   config.restore_path = ""
   # JAX's persistent compilation cache, shared by the train and eval
-  # processes of a run: None means <checkpoint_dir>/compilation_cache, ""
-  # turns it off.
+  # processes of a run: None means $JAX_COMPILATION_CACHE_DIR if set, else
+  # <checkpoint_dir>/compilation_cache; "" turns it off.
   config.compilation_cache_dir = config_dict.placeholder(str)
 
   # Evaluation.

@@ -245,10 +245,14 @@ def _close(writer) -> None:
 def compilation_cache_dir(config) -> str | None:
   """The directory JAX's persistent compilation cache uses for `config`'s run, or None (off).
 
-  The config's paths are absolute by now (`_make_paths_absolute`).
+  Unset, it is the cache the user gave JAX itself (`JAX_COMPILATION_CACHE_DIR`,
+  which JAX reads at import: a cluster's shared cache must not be replaced by
+  one per run), else `<checkpoint_dir>/compilation_cache`. The config's paths
+  are absolute by now (`_make_paths_absolute`).
   """
   if config.compilation_cache_dir is None:
-    return os.path.join(config.checkpoint_dir, "compilation_cache")
+    return (os.environ.get("JAX_COMPILATION_CACHE_DIR") or
+            os.path.join(config.checkpoint_dir, "compilation_cache"))
   return config.compilation_cache_dir or None
 
 

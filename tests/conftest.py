@@ -3,16 +3,33 @@
 Four devices exercise the per-device code paths (leading axes, rng
 specialisation) while keeping collectives cheap on a 2-core CI machine.
 tests/README.md explains how the suite avoids XLA's CPU collective deadlock.
+
+Every process of the session (pytest workers and the runs they launch,
+which inherit the environment) shares one JAX compilation cache, caching
+even the toy's millisecond compilations: most launched runs compile what an
+earlier one did, and compiling is much of a short run's CPU.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # Set once, by the process xdist's workers share.
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxline_ng_tests_cache_")
+  os.environ["JAXLINE_NG_TESTS_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402  (JAX reads the variables above when it is first used)
+
+
+def pytest_unconfigure(config):
+  del config
+  if os.environ.get("JAXLINE_NG_TESTS_CACHE_OWNER") == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

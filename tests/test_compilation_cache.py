@@ -1,4 +1,7 @@
-"""JAX's persistent compilation cache: on by default under checkpoint_dir, shared, can be off."""
+"""JAX's persistent compilation cache: on by default under checkpoint_dir, shared, can be off.
+
+JAX's own setting (`JAX_COMPILATION_CACHE_DIR`) is kept when the config leaves the key unset.
+"""
 
 import os
 import subprocess
@@ -8,15 +11,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
 # The toy's programs compile in milliseconds, below JAX's default threshold
 # for caching a program (1 s): cache every one, so the test sees them.
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-           JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+# Without the suite's shared cache (conftest.py), which would take precedence.
+ENV = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+ENV.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+           PYTHONPATH=ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
-def toy(checkpoint_dir, *extra):
+def toy(checkpoint_dir, *extra, env=ENV):
   result = subprocess.run(
       [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
        "--config.checkpointer=disk", "--config.training_steps=4", *extra],
-      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stderr
 
@@ -41,3 +46,11 @@ def test_cache_can_be_moved_and_turned_off(tmp_path):
   log = toy(tmp_path / "off", "--config.compilation_cache_dir=")
   assert "Compilation cache" not in log
   assert not (tmp_path / "off" / "compilation_cache").exists()
+
+
+def test_the_cache_jax_was_given_is_kept(tmp_path):
+  # A cluster's shared cache, set for JAX in the environment, outranks the per-run default.
+  log = toy(tmp_path / "run", env=dict(ENV, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "shared")))
+  assert f"Compilation cache: {tmp_path / 'shared'}" in log
+  assert os.listdir(tmp_path / "shared")
+  assert not (tmp_path / "run" / "compilation_cache").exists()

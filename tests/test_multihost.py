@@ -26,10 +26,10 @@ def toy(checkpoint_dir, *extra):
           "--config.checkpointer=disk", *extra]
 
 
-def launch(command, timeout=180):
+def launch(command, timeout=180, env=ENV):
   return subprocess.run([sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
                          "--devices_per_process=2", "--", *command],
-                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def single_process(command, devices=4):
@@ -45,8 +45,10 @@ def final_params(checkpoint_dir):
 
 def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_path):
   run_dir = tmp_path / "multi"
+  # The default compilation cache: under the run's directory.
+  env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   result = launch(toy(run_dir, "--config.training_steps=20",
-                      f"--config.experiment_kwargs.config.record_keys_dir={tmp_path}"))
+                      f"--config.experiment_kwargs.config.record_keys_dir={tmp_path}"), env=env)
   assert result.returncode == 0, result.stdout[-4000:]
   single_process(toy(tmp_path / "single", "--config.training_steps=20"))
   multi_step, multi = final_params(run_dir)
