@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import ml_collections
 from absl import flags, logging
+from jax.experimental.compilation_cache import compilation_cache
 from ml_collections import config_flags
 
 from jaxline_ng import (
@@ -242,17 +243,29 @@ def _close(writer) -> None:
     close()
 
 
+# The cache the previous run in this process gave JAX, and whether it was
+# the user's own: a later run tells a cache the user set from one of ours.
+_previous_cache = {"path": None, "users": False}
+
+
+def _users_cache_dir() -> str | None:
+  """The cache the user gave JAX (`JAX_COMPILATION_CACHE_DIR`, which JAX reads
+  at import, or `jax.config.update`), not one an earlier run here set."""
+  current = jax.config.jax_compilation_cache_dir
+  if not current or (current == _previous_cache["path"] and not _previous_cache["users"]):
+    return None
+  return current
+
+
 def compilation_cache_dir(config) -> str | None:
   """The directory JAX's persistent compilation cache uses for `config`'s run, or None (off).
 
-  Unset, it is the cache the user gave JAX itself (`JAX_COMPILATION_CACHE_DIR`,
-  which JAX reads at import: a cluster's shared cache must not be replaced by
-  one per run), else `<checkpoint_dir>/compilation_cache`. The config's paths
-  are absolute by now (`_make_paths_absolute`).
+  Unset, it is the cache the user gave JAX itself (a cluster's shared cache
+  must not be replaced by one per run), else `<checkpoint_dir>/compilation_cache`.
+  The config's paths are absolute by now (`_make_paths_absolute`).
   """
   if config.compilation_cache_dir is None:
-    return (os.environ.get("JAX_COMPILATION_CACHE_DIR") or
-            os.path.join(config.checkpoint_dir, "compilation_cache"))
+    return _users_cache_dir() or os.path.join(config.checkpoint_dir, "compilation_cache")
   return config.compilation_cache_dir or None
 
 
@@ -261,12 +274,30 @@ def enable_compilation_cache(config) -> None:
 
   A restarted run, and the eval job beside it, then load the programs the
   first process compiled instead of compiling them again.
+
+  Raises:
+    ConfigError: the directory cannot be written (JAX would only warn, at
+      every compilation).
   """
+  users = config.compilation_cache_dir is None and _users_cache_dir() is not None
   path = compilation_cache_dir(config)
-  if path is None:
-    return
+  if path is not None:
+    try:
+      os.makedirs(path, exist_ok=True)
+      if not os.access(path, os.W_OK):
+        raise PermissionError("not writable")
+    except OSError as e:
+      culprit = ("JAX's compilation cache directory" if users else
+                 f"config.compilation_cache_dir={config.compilation_cache_dir!r}")
+      raise base_config.ConfigError(
+          f"{culprit}: cannot write {path}: {e.strerror or e}") from None
+  # JAX opens its cache at the first compilation after it is set, once: a
+  # run (the second in a program, or after the user's code set it) reopens it.
+  compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", path)
-  logging.info("[jaxline_ng] Compilation cache: %s", path)
+  _previous_cache.update(path=path, users=users)
+  if path is not None:
+    logging.info("[jaxline_ng] Compilation cache: %s", path)
 
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:

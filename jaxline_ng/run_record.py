@@ -27,9 +27,10 @@ import jaxline_ng
 # address, which differs in every process: a config holding functions or
 # objects must compare equal to itself on resume and across processes.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-# Where a run lives and how strictly it compares are not what it computes: a
-# moved run directory, or turning the strict check on, is no difference.
-_NOT_COMPARED = frozenset(("checkpoint_dir", "strict_resume_config"))
+# Where a run lives, where its compiled programs are cached and how strictly
+# it compares are not what it computes: a moved run directory or cache, or
+# turning the strict check on, is no difference.
+_NOT_COMPARED = frozenset(("checkpoint_dir", "compilation_cache_dir", "strict_resume_config"))
 
 
 def flat_config(config) -> dict[str, Any]:
@@ -134,8 +135,8 @@ def _around_difference(before: str, after: str) -> tuple[str, str]:
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  """Lines `key: saved -> current` for every key whose value differs (but the run's location
-  and `strict_resume_config`); long strings are cut to where they differ."""
+  """Lines `key: saved -> current` for every key whose value differs (but the run's location,
+  its cache and `strict_resume_config`); long strings are cut to where they differ."""
   lines = []
   for key in sorted((set(saved) | set(current)) - _NOT_COMPARED):
     before, after = saved.get(key, "<absent>"), current.get(key, "<absent>")

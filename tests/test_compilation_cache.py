@@ -4,8 +4,15 @@ JAX's own setting (`JAX_COMPILATION_CACHE_DIR`) is kept when the config leaves t
 """
 
 import os
+import shutil
 import subprocess
 import sys
+
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from jaxline_ng import base_config, platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
@@ -48,9 +55,44 @@ def test_cache_can_be_moved_and_turned_off(tmp_path):
   assert not (tmp_path / "off" / "compilation_cache").exists()
 
 
-def test_the_cache_jax_was_given_is_kept(tmp_path):
+def test_the_cache_jax_was_given_is_kept_unless_the_config_turns_it_off(tmp_path):
   # A cluster's shared cache, set for JAX in the environment, outranks the per-run default.
-  log = toy(tmp_path / "run", env=dict(ENV, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "shared")))
+  env = dict(ENV, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "shared"))
+  log = toy(tmp_path / "run", env=env)
   assert f"Compilation cache: {tmp_path / 'shared'}" in log
   assert os.listdir(tmp_path / "shared")
   assert not (tmp_path / "run" / "compilation_cache").exists()
+  shutil.rmtree(tmp_path / "shared")
+  log = toy(tmp_path / "off", "--config.compilation_cache_dir=", env=env)
+  assert "Compilation cache" not in log
+  assert not (tmp_path / "shared").exists()
+
+
+@pytest.fixture
+def session_cache():
+  """Gives the suite's shared cache back to JAX after a test that moved it."""
+  given = jax.config.jax_compilation_cache_dir
+  yield
+  compilation_cache.reset_cache()
+  jax.config.update("jax_compilation_cache_dir", given)
+  platform._previous_cache.update(path=None, users=False)  # pylint: disable=protected-access
+
+
+def test_each_run_in_one_program_uses_its_own_cache(tmp_path, session_cache):
+  del session_cache
+  jax.jit(lambda x: x - 1.0)(1.0)  # JAX opens its cache at the first compilation.
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "users"))  # As a user's code may.
+
+  def run(key, checkpoint_dir, value):
+    config = base_config.get_base_config()
+    config.checkpoint_dir, config.compilation_cache_dir = str(tmp_path / checkpoint_dir), key
+    platform.enable_compilation_cache(config)
+    jax.jit(lambda x: x * value)(1.0).block_until_ready()  # A program no run compiled before.
+
+  run(None, "a", 2.0)
+  run(None, "b", 3.0)  # A later run, and the user's cache is still the one.
+  run(str(tmp_path / "elsewhere"), "c", 4.0)
+  run("", "d", 5.0)
+  assert len(os.listdir(tmp_path / "users")) == 2
+  assert len(os.listdir(tmp_path / "elsewhere")) == 1
+  assert not any((tmp_path / name / "compilation_cache").exists() for name in "abcd")

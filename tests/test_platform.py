@@ -76,6 +76,8 @@ def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
      "['neg_distance', 'params/mean']"),
     ([f"--config={TOY}", "--config.checkpoint_dir=/proc/no_such_dir"],
      "config.checkpoint_dir='/proc/no_such_dir': cannot write"),
+    ([f"--config={TOY}", "--config.compilation_cache_dir=/proc/no_such_dir"],
+     "config.compilation_cache_dir='/proc/no_such_dir': cannot write /proc/no_such_dir"),
     ([], "--config"),
     ([f"--config={TOY}", "trian"], "unexpected positional arguments ['trian']: pass flags only"),
     ([f"--config={TOY}", "--jaxline_ensure_tpu"], "--jaxline_ensure_tpu: JAX's default backend"),

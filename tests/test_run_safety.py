@@ -363,7 +363,9 @@ def test_an_unchanged_config_is_no_difference_whatever_it_holds():
   # A resumed process builds the config anew: its function is another object,
   # at another address, with the same name and meaning.
   before = run_record.flat_config(make_config(lr_schedule=make_schedule(), checkpoint_dir="/a"))
+  # Nor is where the run lives, or caches its compiled programs.
   after = run_record.flat_config(make_config(lr_schedule=make_schedule(), checkpoint_dir="/b",
+                                             compilation_cache_dir="/cache",
                                              strict_resume_config=True))
   assert "lr_schedule" in before and " at 0x" not in before["lr_schedule"]
   assert run_record.differences(before, after) == []
