@@ -805,6 +805,11 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
   if not isinstance(step, int) or isinstance(step, bool) or step != meta["step"] or step < 0:
     raise UnusableCheckpoint(f"its global_step {step!r} is not the step {meta['step']!r} "
                              "it was saved at")
+  # A renamed step directory would be resumed at its step, and orbax would
+  # later refuse to save below the step its name claims.
+  name = os.path.basename(os.path.normpath(path))
+  if name.isdigit() and int(name) != step:
+    raise UnusableCheckpoint(f"it holds step {step}, but its directory is named {name}")
   return nest, meta["topology"]
 
 

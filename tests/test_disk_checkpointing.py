@@ -502,6 +502,17 @@ def test_damaged_newest_checkpoint_is_moved_aside_and_saving_continues(tmp_path,
   assert step == 6 and nest["experiment_module"]["history"] == list(range(6))
 
 
+def test_a_renamed_step_directory_is_moved_aside_not_resumed_at_its_name(tmp_path, caplog):
+  run(disk_config(tmp_path, 6))
+  series = os.path.join(tmp_path, "checkpoints", "latest")
+  os.rename(os.path.join(series, "6"), os.path.join(series, "9"))
+  run(disk_config(tmp_path, 8))
+  assert Rich.seen_steps == [4, 5, 6, 7]
+  assert series_steps(tmp_path) == [4, 6, 8]
+  assert "it holds step 6, but its directory is named 9" in caplog.text
+  assert os.listdir(disk_checkpointing.unusable_dir(series))[0].startswith("9-")
+
+
 def test_no_usable_checkpoint_is_refused_and_nothing_is_moved(tmp_path):
   run(disk_config(tmp_path, 4))
   series = os.path.join(tmp_path, "checkpoints", "latest")
