@@ -21,7 +21,7 @@ class SummaryError(ValueError):
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
   """The rows of a metrics file; a torn last line (a run killed mid-write) is left out."""
-  with open(path) as f:
+  with open(path, "rb") as f:  # Bytes: a write torn inside a character is not UTF-8.
     lines = f.readlines()
   rows = []
   for number, line in enumerate(lines, 1):
@@ -29,8 +29,8 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
       continue
     try:
       rows.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      if number == len(lines) and not line.endswith("\n"):
+    except ValueError as e:  # Not JSON, or not UTF-8.
+      if number == len(lines) and not line.endswith(b"\n"):
         break
       raise SummaryError(f"{path}, line {number}: {e}") from None
   return rows

@@ -38,6 +38,9 @@ def test_summary_of_a_run_killed_mid_write_skips_its_torn_last_row(tmp_path, cap
   with open(tmp_path / "train" / "metrics.jsonl", "a") as f:
     f.write('{"step": 20, "lo')  # What kill -9 mid-write leaves.
   assert "train: 1 logged steps, last step 10" in "\n".join(summary.summarize(str(tmp_path)))
+  with open(tmp_path / "train" / "metrics.jsonl", "ab") as f:
+    f.write('ss_µ'.encode()[:-1])  # Torn inside a character: not UTF-8.
+  assert "train: 1 logged steps, last step 10" in "\n".join(summary.summarize(str(tmp_path)))
   (tmp_path / "eval" / "metrics.jsonl").parent.mkdir()
   (tmp_path / "eval" / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
   assert summary.main(["summary", str(tmp_path)]) == 1
