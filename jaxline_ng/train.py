@@ -818,6 +818,8 @@ def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: boo
   new checkpoint will come).
   """
   logged_wait = False
+  started = time.monotonic()
+  reminders = 0
   while True:
     if _stop_evaluating():
       return "stop", None
@@ -832,7 +834,17 @@ def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: boo
       logging.info("[jaxline_ng] Waiting for a new checkpoint (last evaluated: %s).",
                    restored[0] if restored[0] is not None else "none")
       logged_wait = True
+    waited = time.monotonic() - started
+    if path is None and waited >= (reminders + 1) * _NO_CHECKPOINT_REMINDER_SECS:
+      # An evaluator started before its trainer is normal; one given a
+      # mistyped checkpoint_dir would otherwise wait in silence forever.
+      reminders += 1
+      logging.warning("[jaxline_ng] Still no checkpoint after %.0f min: is a training run "
+                      "saving to this config.checkpoint_dir?", waited / 60)
     _wait_for_stop(poll_interval_secs)
+
+
+_NO_CHECKPOINT_REMINDER_SECS = 600.0
 
 
 # How often the chief of a multi-process evaluation, waiting for a checkpoint,

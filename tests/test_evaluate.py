@@ -291,6 +291,22 @@ def test_one_off_evaluate_without_a_checkpoint_is_one_line_not_a_wait():
                    jaxline_mode="eval", poll_interval_secs=0.01, stop_waiting=lambda: True)
 
 
+def test_an_eval_job_waiting_long_for_a_first_checkpoint_says_so(monkeypatch, caplog):
+  # A mistyped checkpoint_dir: no trainer will come, and jaxline waited in silence.
+  monkeypatch.setattr(train, "_NO_CHECKPOINT_REMINDER_SECS", 0.02)
+  polls = iter(range(5))
+
+  class Empty:
+    def restore_path(self, series):
+      del series
+
+  action, _ = train._next_checkpoint(  # pylint: disable=protected-access
+      Empty(), (None,), False, lambda: next(polls, None) is None, poll_interval_secs=0.01)
+  assert action == "done"
+  assert "Still no checkpoint after 0 min: is a training run saving to this " \
+      "config.checkpoint_dir?" in caplog.text
+
+
 class OneFileCheckpointer:
   """A checkpointer that overwrites one file at each save, as tapnet's
   `NumpyFileCheckpointer` does: its `restore_path` is always the same."""
