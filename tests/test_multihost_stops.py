@@ -298,6 +298,9 @@ def test_a_mesh_eval_job_goes_on_together_when_a_process_loses_a_race_with_rotat
   # instead of one waiting for the other in a barrier or collective.
   trained = run(toy(tmp_path, "--config.training_steps=20", *MESH))
   assert trained.process.returncode == 0, trained.output
+  # Step 20 is saved "later", while process 1 loses the race for step 10.
+  os.makedirs(tmp_path / "saved_later")
+  os.rename(tmp_path / "checkpoints" / "latest" / "20", tmp_path / "saved_later" / "20")
   launch = run(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=20", *MESH,
                    script=os.path.join("tests", "experiments", "toy_loses_a_race.py")))
   assert launch.exit_codes() == [0, 0], launch.output

@@ -1,10 +1,11 @@
 """The toy experiment, whose process 1 loses a race with checkpoint rotation once.
 
 At its first restore of a checkpoint the chief chose, process 1 finds that
-checkpoint gone: it moves it to a newer step's name before reading, as a
-training job rotating its checkpoints out (`max_checkpoints_to_keep`) does
-between the chief's choice and the others' reads, once the others had a
-second to read it.
+checkpoint gone and a newer one saved, as when a training job saves and
+rotates its checkpoints out (`max_checkpoints_to_keep`) between the chief's
+choice and the others' reads, once the others had a second to read it: it
+moves the chosen step out of the series and the newer one the test held back
+(`<checkpoint_dir>/saved_later/<step>`) into it.
 """
 
 import functools
@@ -27,7 +28,11 @@ class LosesTheFirstRace(disk_checkpointing.DiskCheckpointer):
       self.lost = True
       time.sleep(1)
       series_dir, step = os.path.split(path)
-      os.rename(path, os.path.join(series_dir, str(int(step) + 1)))
+      checkpoint_dir = os.path.dirname(os.path.dirname(series_dir))
+      os.rename(path, os.path.join(checkpoint_dir, f"rotated_out_{step}"))
+      saved_later = os.path.join(checkpoint_dir, "saved_later")
+      for newer in os.listdir(saved_later):
+        os.rename(os.path.join(saved_later, newer), os.path.join(series_dir, newer))
     super().restore(ckpt_series, path=path)
 
 
