@@ -18,9 +18,11 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # Set once, by the process xdist's workers share.
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxline_ng_tests_cache_")
-  os.environ["JAXLINE_NG_TESTS_CACHE_OWNER"] = str(os.getpid())
+# Made once, by the process xdist's workers inherit it from (never a cache of the user's).
+_made_cache = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _made_cache = tempfile.mkdtemp(prefix="jaxline_ng_tests_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _made_cache
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402  (JAX reads the variables above when it is first used)
@@ -28,8 +30,8 @@ import pytest  # noqa: E402  (JAX reads the variables above when it is first use
 
 def pytest_unconfigure(config):
   del config
-  if os.environ.get("JAXLINE_NG_TESTS_CACHE_OWNER") == str(os.getpid()):
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  if _made_cache is not None:
+    shutil.rmtree(_made_cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
