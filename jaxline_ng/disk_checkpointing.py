@@ -600,6 +600,12 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
 def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
   """`_load` up to the checksums: what every process does on its own."""
   meta = _read_meta(path)
+  # A renamed step directory would be resumed at its step, and orbax would
+  # later refuse to save below the step its name claims. (`_load` checks the
+  # saved global_step against meta's step.)
+  name = os.path.basename(os.path.normpath(path))
+  if name.isdigit() and int(name) != meta["step"]:
+    raise UnusableCheckpoint(f"it holds step {meta['step']}, but its directory is named {name}")
   # Without the same x64 setting its 64-bit arrays would not read back as they were written.
   saved_x64 = meta["topology"].get("x64", jax.config.jax_enable_x64)
   if saved_x64 != jax.config.jax_enable_x64:
@@ -805,11 +811,6 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
   if not isinstance(step, int) or isinstance(step, bool) or step != meta["step"] or step < 0:
     raise UnusableCheckpoint(f"its global_step {step!r} is not the step {meta['step']!r} "
                              "it was saved at")
-  # A renamed step directory would be resumed at its step, and orbax would
-  # later refuse to save below the step its name claims.
-  name = os.path.basename(os.path.normpath(path))
-  if name.isdigit() and int(name) != step:
-    raise UnusableCheckpoint(f"it holds step {step}, but its directory is named {name}")
   return nest, meta["topology"]
 
 
