@@ -45,8 +45,10 @@ class ExperimentState:
   `experiment_module` (the experiment); on the `best` series also
   `best_eval_metric_value`. Only attributes that were set exist, so a
   snapshot holds exactly what the loops put there, as jaxline's ConfigDict
-  state did. Checkpointers written for jaxline read and set entries by name
-  too (`state[name] = value` in its restore), so those work as there.
+  state did. Code written for jaxline reads, sets and prints it as that
+  ConfigDict (`state[name] = value` in jaxline's restore, `print(best_state)`
+  in `on_new_best_model`), so those work as there. It is no `ConfigDict`
+  (no `lock`): the loops set it every step, which a ConfigDict's checks slow.
   """
 
   def __contains__(self, name: str) -> bool:
@@ -65,14 +67,33 @@ class ExperimentState:
   def get(self, name: str, default: Any = None) -> Any:
     return vars(self).get(name, default)
 
+  def __iter__(self):
+    return iter(vars(self))
+
+  def __len__(self) -> int:
+    return len(vars(self))
+
   def keys(self):
     return vars(self).keys()
+
+  def values(self):
+    return vars(self).values()
 
   def items(self):
     return vars(self).items()
 
+  def update(self, *others, **entries) -> None:
+    """Sets the entries of each mapping in `others`, then `entries` (as ConfigDict's)."""
+    for other in (*others, entries):
+      for name, value in other.items():
+        setattr(self, name, value)
+
   def to_dict(self) -> dict[str, Any]:
     return dict(vars(self))
+
+  def __repr__(self) -> str:
+    # One `name: value` line per entry, sorted, as a ConfigDict prints.
+    return "\n".join(f"{name}: {value!r}" for name, value in sorted(vars(self).items()))
 
 
 def snapshotted_items(state) -> dict[str, Any]:

@@ -225,3 +225,22 @@ def test_typed_prng_keys_round_trip_in_memory():
                                                                       jax.dtypes.prng_key)
   np.testing.assert_array_equal(jax.random.key_data(keys), saved)
   assert state.train_step_rng.shape == (jax.local_device_count(),)
+
+
+def test_experiment_state_reads_and_prints_as_jaxlines_configdict():
+  """Code written for jaxline handles the state as the ConfigDict it was: the
+  same operations on both give the same answers, and printing it names its
+  entries (`print(best_state)` in published `on_new_best_model`s)."""
+  state = checkpointing.InMemoryCheckpointer(
+      base_config.get_base_config(), "train").get_experiment_state("best")
+  jaxlines = ml_collections.ConfigDict()
+  for live in (state, jaxlines):
+    live.global_step = 7
+    live.update({"best_eval_metric_value": 0.5}, best_model_eval_metric="accuracy")
+  for read in (sorted, len, lambda s: sorted(s.keys()), lambda s: sorted(s.values(), key=str),
+               lambda s: sorted(s.items()), lambda s: s.to_dict(), lambda s: "global_step" in s,
+               lambda s: s["best_eval_metric_value"], lambda s: s.get("missing", 3)):
+    assert read(state) == read(jaxlines)
+  printed = str(state)
+  for name in ("global_step: 7", "best_eval_metric_value: 0.5", "best_model_eval_metric:"):
+    assert name in printed
