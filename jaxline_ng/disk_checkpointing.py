@@ -923,6 +923,13 @@ class DiskCheckpointer:
     logging.get_absl_logger().addFilter(_drop_orbax_info)  # Once: addFilter skips repeats.
     # Train and eval processes share the series; each moves aside only
     # damaged checkpoints of the series it writes.
+    if re.search(r"\[.*\]", config.checkpoint_dir):
+      # Orbax gathers the files a save wrote with a glob under the step's
+      # directory, which takes "[...]" in the path for a pattern: it would
+      # gather nothing, and no array saved there could be read back.
+      raise base_config.ConfigError(
+          f"config.checkpoint_dir={config.checkpoint_dir!r}: orbax cannot save under a path "
+          "holding '[...]' (it takes it for a glob pattern): choose one without brackets")
     self._mode = mode
     self._writes = {"latest"} if mode in ("train", "train_eval_multithreaded") else {"best"}
     if mode == "train_eval_multithreaded":

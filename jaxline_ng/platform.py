@@ -287,8 +287,12 @@ def enable_compilation_cache(config) -> None:
       if not os.access(path, os.W_OK):
         raise PermissionError("not writable")
     except OSError as e:
-      culprit = ("JAX's compilation cache directory" if users else
-                 f"config.compilation_cache_dir={config.compilation_cache_dir!r}")
+      if users:
+        culprit = "JAX's compilation cache directory"
+      elif config.compilation_cache_dir is None:  # The cache's place follows checkpoint_dir.
+        culprit = f"config.checkpoint_dir={config.checkpoint_dir!r}"
+      else:
+        culprit = f"config.compilation_cache_dir={config.compilation_cache_dir!r}"
       raise base_config.ConfigError(
           f"{culprit}: cannot write {path}: {e.strerror or e}") from None
   # JAX opens its cache at the first compilation after it is set, once: a

@@ -20,9 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
 
 
-def run(*args, script=TOY, timeout=120):
+def run(*args, script=TOY, timeout=120, unset=()):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  for name in unset:
+    env.pop(name, None)
   return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
@@ -92,6 +94,22 @@ def test_bad_input_fails_fast_with_one_line_naming_the_culprit(tmp_path, args, c
   assert "Traceback" not in result.stderr
   error_lines = [line for line in result.stderr.splitlines() if culprit in line]
   assert error_lines, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["a_file", "a_file/sub", "run[1]"])
+def test_unusable_checkpoint_dir_is_named_as_the_culprit(tmp_path, name):
+  """A checkpoint_dir under a file, or one orbax would save unreadable arrays
+  in (brackets, which it globs), is named, not the compilation cache placed
+  in it (the user's JAX cache is unset here, so the cache goes there)."""
+  (tmp_path / "a_file").write_text("not a directory")
+  checkpoint_dir = tmp_path / name
+  result = run(f"--config={TOY}", "--config.checkpointer=disk",
+               f"--config.checkpoint_dir={checkpoint_dir}", unset=["JAX_COMPILATION_CACHE_DIR"],
+               timeout=60)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  assert f"error: config.checkpoint_dir='{checkpoint_dir}': " in result.stderr, result.stderr
+  assert not (tmp_path / "run[1]" / "checkpoints").exists()
 
 
 def test_syntax_error_in_config_file_is_one_line(tmp_path):
