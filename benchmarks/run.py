@@ -1,6 +1,6 @@
 """jaxline_ng's benchmarks: what the framework costs next to a hand-written loop.
 
-    python -m benchmarks.run                 # full run, ~10 minutes on 2 CPU cores
+    python -m benchmarks.run                 # full run, ~5 minutes on 2 CPU cores
     python -m benchmarks.run --smoke         # a few steps of each, in one process (the suite's)
 
 Every measurement runs in worker processes on 4 fake CPU devices. A paired
