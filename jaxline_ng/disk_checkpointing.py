@@ -487,6 +487,8 @@ def _read_meta(path: str) -> dict[str, Any]:
         f"checkpoint {path} is in jaxline_ng's format 1 (items arrays/ and meta/, arrays "
         f"numbered); this version reads format {FORMAT} (a named orbax tree in state/). Resume "
         "it with the jaxline_ng that wrote it, or start a fresh run from its weights")
+  if not os.path.lexists(path):  # A mistyped restore_path.
+    raise UnusableCheckpoint("it does not exist")
   if not os.path.isdir(os.path.join(path, _META_ITEM)):
     raise UnusableCheckpoint(f"it is not a checkpoint: it has no {_META_ITEM}/ item")
   try:

@@ -439,6 +439,16 @@ def _as_config_dict(config):
       "built on jaxline_ng.base_config.get_base_config()")
 
 
+def _warn_if_eval_dir_differs(config) -> None:
+  """Published configs set `eval_specific_checkpoint_dir` (a key of later
+  jaxline versions), mostly to "" or their checkpoint_dir; evaluators read
+  `checkpoint_dir`, so another directory there would go unread unnoticed."""
+  eval_dir = config.get("eval_specific_checkpoint_dir")
+  if eval_dir and os.path.abspath(os.path.expanduser(eval_dir)) != config.checkpoint_dir:
+    logging.warning("[jaxline_ng] config.eval_specific_checkpoint_dir=%r is not read: evaluation "
+                    "reads config.checkpoint_dir=%r.", eval_dir, config.checkpoint_dir)
+
+
 def _make_paths_absolute(config) -> None:
   """Resolves `checkpoint_dir`, `restore_path` and `compilation_cache_dir`
   against the working directory (and `~` against the home directory), once.
@@ -490,6 +500,7 @@ def main(experiment_class, argv: Sequence[str],
         **{f"config.{key}": value for key, value in run_record.flat_config(config).items()}})
     check_tpu_flags()
     enable_compilation_cache(config)
+    _warn_if_eval_dir_differs(config)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     # Training processes agree on stops through JAX's preemption service,
     # which takes SIGTERM as its notice.

@@ -292,6 +292,8 @@ def test_an_unusable_restore_path_is_refused_naming_the_config_key(tmp_path, whe
     run(disk_config(tmp_path / "fresh", 2, restore_path=restore_path))
   if where == "empty":  # Not orbax's "Item meta was not found. Available items: []".
     assert str(raised.value).endswith("it is not a checkpoint: it has no meta/ item")
+  else:  # A mistyped path is not "not a checkpoint".
+    assert str(raised.value).endswith(f"{restore_path}': it does not exist")
   assert "trying the previous one" not in caplog.text  # There is none.
 
 

@@ -112,6 +112,16 @@ def test_unusable_checkpoint_dir_is_named_as_the_culprit(tmp_path, name):
   assert not (tmp_path / "run[1]" / "checkpoints").exists()
 
 
+def test_an_eval_specific_checkpoint_dir_that_is_not_read_is_named(tmp_path):
+  """Published configs set this key of later jaxline versions; evaluation
+  reads checkpoint_dir, so another directory there is named, not ignored."""
+  result = run(f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
+               "--config.eval_specific_checkpoint_dir=/elsewhere", "--config.training_steps=1")
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ("config.eval_specific_checkpoint_dir='/elsewhere' is not read: evaluation reads "
+          f"config.checkpoint_dir='{tmp_path}'") in result.stderr
+
+
 def test_syntax_error_in_config_file_is_one_line(tmp_path):
   bad = tmp_path / "bad_config.py"
   bad.write_text("def get_config(:\n")
