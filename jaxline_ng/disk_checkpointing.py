@@ -481,14 +481,14 @@ def _reader() -> ocp.Checkpointer:
 def _read_meta(path: str) -> dict[str, Any]:
   """The checked JSON of a step directory; raises UnusableCheckpoint (or
   CheckpointRefused for another format) saying what is wrong."""
+  if not os.path.lexists(path):  # A mistyped restore_path.
+    raise UnusableCheckpoint("it does not exist")
   if os.path.isdir(os.path.join(path, "arrays")) and not os.path.isdir(
       os.path.join(path, _STATE_ITEM)):
     raise CheckpointRefused(
         f"checkpoint {path} is in jaxline_ng's format 1 (items arrays/ and meta/, arrays "
         f"numbered); this version reads format {FORMAT} (a named orbax tree in state/). Resume "
         "it with the jaxline_ng that wrote it, or start a fresh run from its weights")
-  if not os.path.lexists(path):  # A mistyped restore_path.
-    raise UnusableCheckpoint("it does not exist")
   if not os.path.isdir(os.path.join(path, _META_ITEM)):
     raise UnusableCheckpoint(f"it is not a checkpoint: it has no {_META_ITEM}/ item")
   try:
@@ -922,9 +922,6 @@ class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 
   def __init__(self, config, mode: str):
-    logging.get_absl_logger().addFilter(_drop_orbax_info)  # Once: addFilter skips repeats.
-    # Train and eval processes share the series; each moves aside only
-    # damaged checkpoints of the series it writes.
     if re.search(r"\[.*\]", config.checkpoint_dir):
       # Orbax gathers the files a save wrote with a glob under the step's
       # directory, which takes "[...]" in the path for a pattern: it would
@@ -932,6 +929,9 @@ class DiskCheckpointer:
       raise base_config.ConfigError(
           f"config.checkpoint_dir={config.checkpoint_dir!r}: orbax cannot save under a path "
           "holding '[...]' (it takes it for a glob pattern): choose one without brackets")
+    logging.get_absl_logger().addFilter(_drop_orbax_info)  # Once: addFilter skips repeats.
+    # Train and eval processes share the series; each moves aside only
+    # damaged checkpoints of the series it writes.
     self._mode = mode
     self._writes = {"latest"} if mode in ("train", "train_eval_multithreaded") else {"best"}
     if mode == "train_eval_multithreaded":

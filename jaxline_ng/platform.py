@@ -257,16 +257,27 @@ def _users_cache_dir() -> str | None:
   return current
 
 
-def compilation_cache_dir(config) -> str | None:
-  """The directory JAX's persistent compilation cache uses for `config`'s run, or None (off).
+_USERS_CACHE = "JAX's compilation cache directory"
+
+
+def compilation_cache_dir(config) -> tuple[str | None, str]:
+  """`(directory, what chose it)` for JAX's persistent compilation cache in
+  `config`'s run; the directory is None when the cache is off.
 
   Unset, it is the cache the user gave JAX itself (a cluster's shared cache
   must not be replaced by one per run), else `<checkpoint_dir>/compilation_cache`.
-  The config's paths are absolute by now (`_make_paths_absolute`).
+  What chose it (a config key and its value, or `_USERS_CACHE`) is the
+  culprit an error names. The config's paths are absolute by now
+  (`_make_paths_absolute`).
   """
-  if config.compilation_cache_dir is None:
-    return _users_cache_dir() or os.path.join(config.checkpoint_dir, "compilation_cache")
-  return config.compilation_cache_dir or None
+  given = config.compilation_cache_dir
+  if given is not None:
+    return given or None, f"config.compilation_cache_dir={given!r}"
+  users = _users_cache_dir()
+  if users:
+    return users, _USERS_CACHE
+  return (os.path.join(config.checkpoint_dir, "compilation_cache"),
+          f"config.checkpoint_dir={config.checkpoint_dir!r}")
 
 
 def enable_compilation_cache(config) -> None:
@@ -279,27 +290,20 @@ def enable_compilation_cache(config) -> None:
     ConfigError: the directory cannot be written (JAX would only warn, at
       every compilation).
   """
-  users = config.compilation_cache_dir is None and _users_cache_dir() is not None
-  path = compilation_cache_dir(config)
+  path, chosen_by = compilation_cache_dir(config)
   if path is not None:
     try:
       os.makedirs(path, exist_ok=True)
       if not os.access(path, os.W_OK):
         raise PermissionError("not writable")
     except OSError as e:
-      if users:
-        culprit = "JAX's compilation cache directory"
-      elif config.compilation_cache_dir is None:  # The cache's place follows checkpoint_dir.
-        culprit = f"config.checkpoint_dir={config.checkpoint_dir!r}"
-      else:
-        culprit = f"config.compilation_cache_dir={config.compilation_cache_dir!r}"
       raise base_config.ConfigError(
-          f"{culprit}: cannot write {path}: {e.strerror or e}") from None
+          f"{chosen_by}: cannot write {path}: {e.strerror or e}") from None
   # JAX opens its cache at the first compilation after it is set, once: a
   # run (the second in a program, or after the user's code set it) reopens it.
   compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", path)
-  _previous_cache.update(path=path, users=users)
+  _previous_cache.update(path=path, users=chosen_by == _USERS_CACHE)
   if path is not None:
     logging.info("[jaxline_ng] Compilation cache: %s", path)
 
@@ -444,9 +448,14 @@ def _warn_if_eval_dir_differs(config) -> None:
   jaxline versions), mostly to "" or their checkpoint_dir; evaluators read
   `checkpoint_dir`, so another directory there would go unread unnoticed."""
   eval_dir = config.get("eval_specific_checkpoint_dir")
-  if eval_dir and os.path.abspath(os.path.expanduser(eval_dir)) != config.checkpoint_dir:
+  if eval_dir and _absolute(eval_dir) != config.checkpoint_dir:
     logging.warning("[jaxline_ng] config.eval_specific_checkpoint_dir=%r is not read: evaluation "
                     "reads config.checkpoint_dir=%r.", eval_dir, config.checkpoint_dir)
+
+
+def _absolute(path: str) -> str:
+  """`path` against the working directory, `~` against the home directory."""
+  return os.path.abspath(os.path.expanduser(path))
 
 
 def _make_paths_absolute(config) -> None:
@@ -463,7 +472,7 @@ def _make_paths_absolute(config) -> None:
     given = config[key]
     if not given and key != "checkpoint_dir":
       continue
-    absolute = os.path.abspath(os.path.expanduser(given or "."))
+    absolute = _absolute(given or ".")
     if absolute != given:
       config[key] = absolute
       logging.info("[jaxline_ng] config.%s=%r: using %s.", key, given, absolute)
