@@ -266,6 +266,18 @@ def split_axes(array: jax.Array) -> tuple[int, ...]:
                in enumerate(zip(sharding.shard_shape(array.shape), array.shape)) if piece != whole)
 
 
+def one_row_per_device(value: Any) -> bool:
+  """Whether `value` is laid out as pmap lays out its outputs: a `jax.Array`
+  whose leading axis has one row on each of its devices. (A host array, or
+  one on a single device, whose leading axis merely equals the device count
+  is not.)"""
+  if not isinstance(value, jax.Array) or not value.shape:
+    return False
+  sharding = value.sharding
+  return (value.shape[0] == len(sharding.device_set)
+          and sharding.shard_shape(value.shape)[0] == 1)
+
+
 def holds_shape(array: jax.Array, shape: tuple[int, ...], one_row_per_device: bool) -> bool:
   """Whether a value of `shape` can take `array`'s place on its devices: any
   size along the axes not split over them (a buffer that grows). Along split

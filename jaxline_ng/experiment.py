@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from jaxline_ng import base_config, devices, preemption
+from jaxline_ng import base_config, debugging, devices, preemption
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import rng as rng_lib
 
@@ -178,6 +178,9 @@ def checkpoint_attrs_problem(experiment) -> str | None:
         return (f"{name}.{key} names {attr!r}, which {name} does not have: set it in "
                 "__init__ (None until step builds it) or fix the name")
   if mesh_lib.active_mesh() is None:
+    count = jax.local_device_count()
+    # Under chex's fake pmap a pmap output is a vmap's, on one device.
+    eager = debugging.pmap_jit_disabled()
     for attr in attrs:
       for leaf in jax.tree.leaves(getattr(experiment, attr)):
         if getattr(leaf, "ndim", 0) < 1:
@@ -185,6 +188,14 @@ def checkpoint_attrs_problem(experiment) -> str | None:
                   f"{leaf!r:.40}, which has no device axis: in pmap mode these hold a copy per "
                   "device (utils.bcast_local_devices); list host values in "
                   "NON_BROADCAST_CHECKPOINT_ATTRS")
+        # Only the first device's row is saved: any other layout would lose data.
+        spread = (devices.one_row_per_device(leaf) or eager
+                  or not isinstance(leaf, jax.Array))
+        if leaf.shape[0] != count or not spread:
+          return (f"{name}.CHECKPOINT_ATTRS entry {attr!r} holds an array of shape "
+                  f"{tuple(leaf.shape)} that is not one copy per local device ({count}): only "
+                  "the first row would be saved; place it with utils.bcast_local_devices, or "
+                  "list it in NON_BROADCAST_CHECKPOINT_ATTRS")
   return None
 
 

@@ -64,9 +64,11 @@ def _per_device_lengths() -> tuple[int, ...]:
 def _scalar_problem(name: Any, value: Any) -> str | None:
   """Why `value` is not a loggable scalar named `name`, or None if it is.
 
-  A scalar is a number, or one per local device (a pmap output the
-  experiment did not reduce with `get_first`), named by a string. Reads
-  only metadata: no transfer, no wait for the devices.
+  A scalar is a number, or one per device: a pmap output the experiment did
+  not reduce with `get_first`, or a host array of one value copied per
+  device (as `global_step`), named by a string. A vector whose length merely
+  equals the device count (per-class values) is none. Reads no device
+  memory: no transfer, no wait for the devices.
   """
   if not isinstance(name, str):
     return f"has a name of type {type(name).__name__}, not a string"
@@ -79,8 +81,18 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
     return f"is a {type(value).__name__}"
   if getattr(dtype, "kind", "") in _UNLOGGABLE_KINDS:
     return f"has dtype {dtype}"
-  if not shape or (len(shape) == 1 and shape[0] in _per_device_lengths()):
+  if not shape or shape == (1,):
     return None
+  if len(shape) == 1 and shape[0] in _per_device_lengths():
+    # Under chex's fake pmap a pmap output is a vmap's, on one device.
+    if devices.one_row_per_device(value) or debugging.pmap_jit_disabled():
+      return None
+    if isinstance(value, np.ndarray):
+      if np.unique(value).size == 1:  # One value copied per device, as `global_step` is.
+        return None
+      return (f"has shape {tuple(shape)} on the host with differing values, so it is a vector, "
+              "not one value per device")
+    return f"has shape {tuple(shape)} on one device, so it is a vector, not one value per device"
   return f"has shape {tuple(shape)}"
 
 

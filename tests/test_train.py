@@ -311,6 +311,37 @@ def test_checkpoint_attrs_that_cannot_be_saved_stop_the_run_after_its_first_step
     experiment_class("train", jax.random.PRNGKey(0)).snapshot_state()  # Every save says so too.
 
 
+class OneDeviceInAttrs(Counting):
+  """Rows that look per-device, never placed on the devices: saving the first
+  device's copy would keep one row of four."""
+  CHECKPOINT_ATTRS = {"_count": "count", "_stats": "stats"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._stats = jnp.arange(jax.local_device_count() * 3.0).reshape(-1, 3)
+
+
+class OtherLeadingAxisInAttrs(OneDeviceInAttrs):
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._stats = np.zeros((jax.local_device_count() + 1, 3))
+
+
+@pytest.mark.parametrize("experiment_class, shape", [
+    (OneDeviceInAttrs, "(4, 3)"), (OtherLeadingAxisInAttrs, "(5, 3)")])
+def test_checkpoint_attrs_not_one_copy_per_device_stop_the_run_after_its_first_step(
+    experiment_class, shape):
+  Counting.seen = []
+  config = make_config(training_steps=50)
+  with pytest.raises(experiment.CheckpointAttrsError,
+                     match=rf"entry '_stats' holds an array of shape \{shape[:-1]}\) that is "
+                           r"not one copy per local device \(4\)") as raised:
+    train.train(experiment_class, config, checkpointing.InMemoryCheckpointer(config, "train"),
+                None)
+  assert raised.value.one_line and len(Counting.seen) == 1
+
+
 def test_a_checkpointed_attribute_built_by_the_first_step_is_saved():
   config = make_config(training_steps=2)
   checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
