@@ -269,6 +269,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if value < 0:
       logging.warning("[jaxline_ng] config.%s=%r: no periodic saves (as 0, as in jaxline); "
                       "latest is saved at the end and on a stop only.", key, value)
+    # 0 seconds logs every step; a multiple of 0 steps never comes (jaxline divided by it).
+    if value == 0 and key.startswith("log_") and logging_type == "steps":
+      raise ConfigError(f"config.{key}=0 with step intervals: 1 logs every step, None never")
 
   if config.restore_path and config.checkpointer != "disk":
     # Published experiments define restore_path for their own restores from

@@ -115,6 +115,17 @@ def test_zero_and_none_intervals_keep_their_jaxline_meaning():
   base_config.validate_config(config)
 
 
+def test_a_zero_logging_interval_is_every_step_in_seconds_and_refused_in_steps():
+  config = base_config.get_base_config()
+  config.log_train_data_interval = 0
+  base_config.validate_config(config)
+  config.logging_interval_type = "steps"
+  with pytest.raises(base_config.ConfigError,
+                     match="config.log_train_data_interval=0 with step intervals: 1 logs every "
+                           "step, None never"):
+    base_config.validate_config(config)
+
+
 @pytest.mark.parametrize("ratios,accepted", [
     ((1, 2, 5, 10), True),  # jaxline's base_config gives this example.
     ((1, 2, 5), True),
