@@ -363,7 +363,6 @@ def train(experiment_class, config, checkpointer, writer,
         experiment_lib.log_activity("experiment init")):
     experiment = experiment_lib.construct(experiment_class, "train", init_key,
                                           config.experiment_kwargs)
-  logging.info("[jaxline_ng] Checkpointed state: %s", experiment_lib.describe_state(experiment))
   state = checkpointer.get_experiment_state("latest")
   state.global_step = 0
   state.experiment_module = experiment
@@ -376,6 +375,9 @@ def train(experiment_class, config, checkpointer, writer,
     if keeps_run_facts:
       _check_resumed_config(getattr(state, "run_config", None), run_config,
                             config.strict_resume_config)
+  # After the restore, which builds the entries a fresh experiment leaves to `step`.
+  logging.info("[jaxline_ng] Checkpointed state: %s",
+               experiment_lib.describe_state(state.experiment_module))
   # Processes that see different checkpoints (a checkpoint_dir not shared)
   # would train together from different steps, and wait on each other's saves.
   multihost.check_same_as_chief(

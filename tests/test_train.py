@@ -311,6 +311,17 @@ def test_checkpoint_attrs_that_cannot_be_saved_stop_the_run_after_its_first_step
     experiment_class("train", jax.random.PRNGKey(0)).snapshot_state()  # Every save says so too.
 
 
+def test_a_resumed_run_describes_the_state_it_restored(caplog):
+  config = make_config(training_steps=2)
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  train.train(BuiltInStep, config, checkpointer, None)
+  caplog.set_level("INFO")
+  config.training_steps = 3
+  train.train(BuiltInStep, config, checkpointer, None)
+  assert "Checkpointed state: count: 1 values, 4 bytes; later: 1 values, 4 bytes" in caplog.text
+  assert "not built yet" not in caplog.text
+
+
 class OneDeviceInAttrs(Counting):
   """Rows that look per-device, never placed on the devices: saving the first
   device's copy would keep one row of four."""
