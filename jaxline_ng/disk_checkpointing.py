@@ -1163,5 +1163,21 @@ class DiskCheckpointer:
       logging.warning("[jaxline_ng] Moved the unusable checkpoint %s to %s (kept for "
                       "inspection; saving continues past its step).", path, target)
 
+  def set_aside(self, ckpt_series: str) -> str:
+    """Moves the series' directory aside, kept beside it, and returns where.
+
+    Raises:
+      CheckpointRefused: every process writes into the series: they cannot
+        agree on the move before their next save.
+    """
+    series_dir = self._series_dir(ckpt_series)
+    if self.every_process_saves:
+      raise CheckpointRefused(f"{series_dir} holds an earlier run's checkpoints: move it aside")
+    with self._lock:
+      self._managers.pop(ckpt_series, None)
+    target = f"{series_dir.rstrip(os.sep)}.earlier-{time.strftime('%Y%m%dT%H%M%S')}"
+    os.rename(series_dir, target)
+    return target
+
   def wait_for_checkpointing_to_finish(self) -> None:
     self._saves.wait()

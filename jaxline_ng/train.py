@@ -560,14 +560,16 @@ class _BestTracker:
     # it: a checkpointer written for jaxline restores the entries it finds,
     # the experiment's through its `restore_from_snapshot`. jaxline_ng's own
     # checkpointers skip the weights of a state holding no experiment.
-    worst = -math.inf if self._higher_is_better else math.inf
-    self._state.best_eval_metric_value = worst
+    self._worst = -math.inf if self._higher_is_better else math.inf
+    self._state.best_eval_metric_value = self._worst
     self._state.best_model_eval_metric = self._metric
     self._state.experiment_module = None if _restore_is_ours(checkpointer) else experiment
+    self._restored_step = None
     if checkpointer.can_be_restored("best"):
       checkpointer.restore("best")
+      self._restored_step = getattr(self._state, "global_step", None)
     if getattr(self._state, "best_eval_metric_value", None) is None:
-      self._state.best_eval_metric_value = worst
+      self._state.best_eval_metric_value = self._worst
     saved_metric = self._state.best_model_eval_metric
     if saved_metric != self._metric:
       # Its best value is another metric's: compared with this one's, better
@@ -579,6 +581,21 @@ class _BestTracker:
     self._state.experiment_module = experiment
     logging.info("[jaxline_ng] Best %s so far: %s", self._metric,
                  self._state.best_eval_metric_value)
+
+  def start_at(self, step: int) -> None:
+    """Before the first evaluation, of `step`: a best saved past it is an
+    earlier run's (a run restarted afresh), which this run's must not have to
+    beat, nor mix with in one series. Set aside, as its metric rows are."""
+    if self._restored_step is None or self._restored_step <= step:
+      return
+    set_aside = getattr(self._checkpointer, "set_aside", None)
+    where = f", moved to {set_aside('best')}" if set_aside else ""
+    logging.warning("[jaxline_ng] The best checkpoint (%s=%s at step %d) is past step %d, "
+                    "evaluated first: an earlier run's%s. This run's best starts afresh.",
+                    self._metric, self._state.best_eval_metric_value, self._restored_step,
+                    step, where)
+    self._state.best_eval_metric_value = self._worst
+    self._restored_step = None
 
   def update(self, evaluated, scalars: Mapping[str, Any]) -> None:
     """Saves `best` if `scalars` beat it; `evaluated` is the `latest` state evaluated."""
@@ -740,6 +757,8 @@ def evaluate(experiment_class, config, checkpointer, writer,
       # redone. Rows past it are an earlier run's (a run restarted afresh,
       # or a one-off evaluation of an older checkpoint): kept aside.
       writer.resume(state.global_step - 1, set_aside_past=state.global_step)
+    if evaluated_step < 0 and best is not None:
+      best.start_at(state.global_step)
     evaluated_step = state.global_step
 
     # --- Evaluate, write, track the best. ---

@@ -310,6 +310,26 @@ def test_best_series_on_disk_keeps_metric_value(tmp_path):
   assert state.global_step == 4 and state.best_eval_metric_value < 0
 
 
+def test_an_earlier_runs_best_past_the_first_evaluation_is_set_aside(tmp_path, caplog):
+  """A run restarted afresh (its `latest` removed) beside the best series of the run
+  before: this run's bests must neither have to beat it nor land in its series."""
+  config = disk_config(tmp_path, 4, best_model_eval_metric="b0")
+  run(config)
+  train.evaluate(Rich, config, disk_checkpointing.DiskCheckpointer(config, "eval"), None,
+                 jaxline_mode="eval")
+  shutil.rmtree(tmp_path / "checkpoints" / "latest")
+  config = disk_config(tmp_path, 2, best_model_eval_metric="b0")
+  run(config)
+  caplog.set_level("WARNING")
+  train.evaluate(Rich, config, disk_checkpointing.DiskCheckpointer(config, "eval"), None,
+                 jaxline_mode="eval")
+  assert series_steps(tmp_path, "best") == [2]
+  [aside] = [name for name in os.listdir(tmp_path / "checkpoints") if ".earlier-" in name]
+  assert aside.startswith("best.earlier-") and series_steps(tmp_path, aside) == [4]
+  assert "(b0=" in caplog.text and "at step 4) is past step 2, evaluated first: an earlier " \
+      f"run's, moved to {tmp_path / 'checkpoints' / aside}" in caplog.text
+
+
 class NotesOnNewBest(Rich):
   """jaxline's `on_new_best_model` may add to the best state ("to dump
   additional information from the evaluator")."""
