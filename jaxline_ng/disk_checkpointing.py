@@ -1127,6 +1127,10 @@ class DiskCheckpointer:
         nest = {"experiment_module": nest.get("experiment_module", {})}
       elif training:  # An evaluation takes no key from the chain.
         _warn_if_another_topology(topology, nest["global_step"])
+        if ckpt_series == "latest" and self._restore_path:
+          # It seeds new runs only: a requeued run keeps it on its command line.
+          logging.warning("[jaxline_ng] config.restore_path=%r is not read: the run resumes its "
+                          "own checkpoint %s.", self._restore_path, candidate)
       if not fresh_run:
         self._move_aside([p for p, _ in failures], ckpt_series)
       checkpointing.restore_snapshot(state, nest)

@@ -272,6 +272,15 @@ def test_restore_path_seeds_a_fresh_run_with_weights_only(tmp_path, restore_path
   del source
 
 
+def test_a_resumed_run_says_it_does_not_read_its_restore_path(tmp_path, caplog):
+  run(disk_config(tmp_path, 2))
+  caplog.set_level("WARNING")
+  run(disk_config(tmp_path, 4, restore_path=str(tmp_path / "mistyped")))
+  assert Rich.seen_steps == [2, 3]
+  assert (f"config.restore_path='{tmp_path / 'mistyped'}' is not read: the run resumes its own "
+          f"checkpoint {tmp_path / 'checkpoints' / 'latest' / '2'}.") in caplog.text
+
+
 def test_a_restore_path_whose_newest_checkpoint_is_damaged_seeds_from_the_one_before(tmp_path,
                                                                                     caplog):
   run(disk_config(tmp_path / "source", 4))
