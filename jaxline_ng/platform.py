@@ -91,7 +91,7 @@ def _report_config_errors_in_one_line(config_flag) -> None:
     if not os.access(path, os.R_OK):
       raise flags.IllegalFlagValueError(f"config file {path!r} is not readable")
     try:
-      return parse(argument)
+      config = parse(argument)
     except flags.Error as e:
       # `get_config(arg)` raising comes back as a flag error holding the traceback.
       if "Traceback (most recent call last)" not in str(e):
@@ -110,6 +110,8 @@ def _report_config_errors_in_one_line(config_flag) -> None:
       message = str(cause.args[0]) if cause.args else str(cause)
       key = message.splitlines()[0].strip("\"'") if message.strip() else ""
       override = _override_naming(key)
+      if "has no attribute 'get_config'" in message:
+        raise flags.IllegalFlagValueError(f"config file {path!r} defines no get_config()") from None
       if override is None:  # Raised by the config file's own code.
         raise flags.IllegalFlagValueError(
             f"loading {argument!r} failed: {type(e).__name__}: {e}") from None
@@ -121,6 +123,9 @@ def _report_config_errors_in_one_line(config_flag) -> None:
       first_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
       raise flags.IllegalFlagValueError(
           f"loading {argument!r} failed: {type(e).__name__}: {first_line}") from None
+    if config is None:  # ml_collections would only say "--config must have a value".
+      raise flags.IllegalFlagValueError(f"get_config() in {path!r} returned None")
+    return config
 
   # ml_collections' flag has no public hook for its parse errors, and flag
   # values are parsed inside `app.run`, before any code of ours could catch them.

@@ -12,6 +12,7 @@ import threading
 from unittest import mock
 
 import pytest
+from absl import flags
 from absl.testing import flagsaver
 
 from jaxline_ng import platform, utils
@@ -124,6 +125,20 @@ def test_syntax_error_in_config_file_is_one_line(tmp_path):
   assert result.returncode != 0
   assert "Traceback" not in result.stderr
   assert f"config file '{bad}' line 1: SyntaxError" in result.stderr
+
+
+@pytest.mark.parametrize("body,culprit", [
+    ("x = 1\n", "config file '{}' defines no get_config()"),
+    # ml_collections said only "Flag --config must have a value other than None".
+    ("def get_config():\n  return None\n", "get_config() in '{}' returned None"),
+])
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections'
+def test_a_config_file_without_a_config_is_named(tmp_path, body, culprit):
+  config_file = tmp_path / "config.py"
+  config_file.write_text(body)
+  with pytest.raises(flags.IllegalFlagValueError) as raised:
+    flags.FLAGS["config"]._parse(str(config_file))  # pylint: disable=protected-access
+  assert str(raised.value) == culprit.format(config_file)
 
 
 @pytest.mark.parametrize("call", [
