@@ -107,9 +107,9 @@ def _to_number(value: Any, name: str) -> int | float:
     array = np.asarray(value).reshape(())
     return int(array) if np.issubdtype(array.dtype, np.integer) else float(array)
   except (TypeError, ValueError):
+    shape = f" of shape {np.shape(value)}" if hasattr(value, "shape") else ""
     raise WriteInputError(f"write_scalars: scalar {name!r} is {type(value).__name__} "
-                          f"{value!r:.40} of shape {np.shape(value)}: write a number or an "
-                          "array of one") from None
+                          f"{value!r:.40}{shape}: write a number or an array of one") from None
 
 
 def _to_step(global_step: Any) -> int:

@@ -673,8 +673,9 @@ def test_a_full_disk_under_metrics_is_one_line_naming_the_file():
 
 
 @pytest.mark.parametrize("step, scalars, culprit", [
-    (1, {"loss": 0.5, "lr": np.ones(3)}, "write_scalars: scalar 'lr' is ndarray"),
-    (1, {"mode": "fast"}, "write_scalars: scalar 'mode' is str 'fast'"),
+    (1, {"loss": 0.5, "lr": np.ones(3)}, "write_scalars: scalar 'lr' is ndarray array([1., "
+                                          "1., 1.]) of shape (3,): write a number"),
+    (1, {"mode": "fast"}, "write_scalars: scalar 'mode' is str 'fast': write a number"),
     (np.arange(4), {"loss": 0.5}, "writer: global_step array([0, 1, 2, 3]) is not one step"),
 ])
 def test_values_a_writer_cannot_write_are_one_line_naming_them(tmp_path, step, scalars, culprit):
