@@ -413,8 +413,9 @@ def train(experiment_class, config, checkpointer, writer,
     own_actions.append(profiling.ProfileWindow(
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
         steps_completed=state.global_step))
-  actions = [_FirstStepChecks(state.experiment_module if save_checkpoints else None),
-             *periodic_actions, *own_actions]
+  # A tuple, as jaxline's: published train_loop overrides add theirs with `+ (action,)`.
+  actions = (_FirstStepChecks(state.experiment_module if save_checkpoints else None),
+             *periodic_actions, *own_actions)
   if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
     save_latest()
 

@@ -353,19 +353,24 @@ def test_log_activity_logs_stops_and_bad_input_without_a_traceback(error, logged
 
 class RestartsActionClocks(NoInitRng):
   """A published `train_loop` override (emergent_communication_at_scale's) restarts
-  every action's clock, as jaxline's `PeriodicAction.update_time` allows."""
+  every action's clock, as jaxline's `PeriodicAction.update_time` allows, and adds
+  an action of its own to the tuple jaxline passes."""
+  acted = []
 
   def train_loop(self, config, state, periodic_actions, writer=None):
     for action in periodic_actions:
       action.update_time(0.0, state.global_step)
+    periodic_actions = periodic_actions + (utils.PeriodicAction(
+        lambda step, scalars: self.acted.append(step), "steps", 1, run_async=False),)
     super().train_loop(config, state, periodic_actions, writer)
 
 
-def test_a_train_loop_override_may_restart_every_actions_clock(tmp_path):
+def test_a_train_loop_override_may_restart_clocks_and_add_actions(tmp_path):
   config = make_config(checkpoint_dir=str(tmp_path), profile_steps=(1, 2))
   checkpointer = ConfigDictCheckpointer()
   train.train(RestartsActionClocks, config, checkpointer, None)
   assert checkpointer.get_experiment_state("latest").global_step == 3
+  assert RestartsActionClocks.acted == [1, 2, 3]
 
 
 class SnapshotOverride(experiment.AbstractExperiment):
