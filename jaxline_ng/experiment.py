@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
 from jaxline_ng import base_config, debugging, devices, preemption
@@ -165,8 +166,9 @@ class CheckpointAttrsError(AttributeError):
 
 def checkpoint_attrs_problem(experiment) -> str | None:
   """Why `snapshot_state` cannot take the experiment's checkpointed
-  attributes (one missing, or in pmap mode a CHECKPOINT_ATTRS value
-  without a device axis), or None. Reads no device memory."""
+  attributes (one missing, or in pmap mode a CHECKPOINT_ATTRS value that is
+  not one copy per device), or None. Reads device memory only of arrays
+  that are not laid out as pmap outputs."""
   if _overrides_snapshot(experiment):
     return None
   attrs, non_broadcast_attrs = checkpoint_attrs(experiment)
@@ -188,15 +190,22 @@ def checkpoint_attrs_problem(experiment) -> str | None:
                   f"{leaf!r:.40}, which has no device axis: in pmap mode these hold a copy per "
                   "device (utils.bcast_local_devices); list host values in "
                   "NON_BROADCAST_CHECKPOINT_ATTRS")
-        # Only the first device's row is saved: any other layout would lose data.
-        spread = (devices.one_row_per_device(leaf) or eager
-                  or not isinstance(leaf, jax.Array))
-        if leaf.shape[0] != count or not spread:
+        # Only the first row is saved: rows that differ would be lost. Laid
+        # out as pmap lays out its outputs, they are copies; otherwise (a
+        # host array, one on one device) they are read, once.
+        if leaf.shape[0] != count or not (
+            eager or devices.one_row_per_device(leaf) or _equal_rows(leaf)):
           return (f"{name}.CHECKPOINT_ATTRS entry {attr!r} holds an array of shape "
                   f"{tuple(leaf.shape)} that is not one copy per local device ({count}): only "
                   "the first row would be saved; place it with utils.bcast_local_devices, or "
                   "list it in NON_BROADCAST_CHECKPOINT_ATTRS")
   return None
+
+
+def _equal_rows(array) -> bool:
+  rows = np.asarray(jax.random.key_data(array) if devices.is_typed_key(array) else array)
+  nan_equal = np.issubdtype(rows.dtype, np.inexact)
+  return np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape), equal_nan=nan_equal)
 
 
 def _overrides_snapshot(experiment) -> bool:

@@ -66,7 +66,7 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
 
   A scalar is a number, or one per device: a pmap output the experiment did
   not reduce with `get_first`, or a host array of one value copied per
-  device (as `global_step`), named by a string. A vector whose length merely
+  device (`global_step`), named by a string. A vector whose length merely
   equals the device count (per-class values) is none. Reads no device
   memory: no transfer, no wait for the devices.
   """
@@ -87,12 +87,17 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
     # Under chex's fake pmap a pmap output is a vmap's, on one device.
     if devices.one_row_per_device(value) or debugging.pmap_jit_disabled():
       return None
+    # On the host, one value copied per device is what `step` is given as
+    # `global_step`; other values are a vector's (per-class values), whose
+    # first would be logged as if it were the whole.
     if isinstance(value, np.ndarray):
-      if np.unique(value).size == 1:  # One value copied per device, as `global_step` is.
+      if np.unique(value).size == 1:
         return None
-      return (f"has shape {tuple(shape)} on the host with differing values, so it is a vector, "
-              "not one value per device")
-    return f"has shape {tuple(shape)} on one device, so it is a vector, not one value per device"
+      where = "on the host with differing values"
+    else:
+      where = "not one row per device"
+    return (f"has shape {tuple(shape)} {where}: a vector, not one value per device (return "
+            "x[0], or the pmap output itself)")
   return f"has shape {tuple(shape)}"
 
 

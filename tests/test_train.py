@@ -339,6 +339,24 @@ class OtherLeadingAxisInAttrs(OneDeviceInAttrs):
     self._stats = np.zeros((jax.local_device_count() + 1, 3))
 
 
+class CopiesOnOneDevice(Counting):
+  """Equal rows kept on one device (`jnp.broadcast_to`): the first is all of
+  them, as jaxline saved it."""
+  CHECKPOINT_ATTRS = {"_count": "count", "_stats": "stats"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._stats = jnp.broadcast_to(jnp.arange(3.0), (jax.local_device_count(), 3))
+
+
+def test_checkpoint_attrs_of_equal_rows_on_one_device_are_saved():
+  config = make_config(training_steps=2)
+  train.train(CopiesOnOneDevice, config, checkpointing.InMemoryCheckpointer(config, "train"),
+              None)
+  saved = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest["experiment_module"]
+  np.testing.assert_array_equal(saved["stats"], np.arange(3.0))
+
+
 @pytest.mark.parametrize("experiment_class, shape", [
     (OneDeviceInAttrs, "(4, 3)"), (OtherLeadingAxisInAttrs, "(5, 3)")])
 def test_checkpoint_attrs_not_one_copy_per_device_stop_the_run_after_its_first_step(
