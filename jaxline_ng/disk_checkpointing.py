@@ -1167,16 +1167,17 @@ class DiskCheckpointer:
       logging.warning("[jaxline_ng] Moved the unusable checkpoint %s to %s (kept for "
                       "inspection; saving continues past its step).", path, target)
 
-  def set_aside(self, ckpt_series: str) -> str:
+  def set_aside(self, ckpt_series: str) -> str | None:
     """Moves the series' directory aside, kept beside it, and returns where.
 
-    Raises:
-      CheckpointRefused: every process writes into the series: they cannot
-        agree on the move before their next save.
+    Only the chief moves the series it alone writes, the one every process
+    reads; elsewhere (other processes, or all writing together, which could
+    not agree on the move before their next save) returns None.
     """
     series_dir = self._series_dir(ckpt_series)
-    if self.every_process_saves:
-      raise CheckpointRefused(f"{series_dir} holds an earlier run's checkpoints: move it aside")
+    if (self.every_process_saves or not multihost.is_chief()
+        or not os.path.isdir(series_dir)):
+      return None
     with self._lock:
       self._managers.pop(ckpt_series, None)
     target = f"{series_dir.rstrip(os.sep)}.earlier-{time.strftime('%Y%m%dT%H%M%S')}"

@@ -591,17 +591,23 @@ class _BestTracker:
   def start_at(self, step: int) -> None:
     """Before the first evaluation, of `step`: a best saved past it is an
     earlier run's (a run restarted afresh), which this run's must not have to
-    beat, nor mix with in one series. Set aside, as its metric rows are."""
+    beat, nor mix with in one series. Set aside, as its metric rows are,
+    where the checkpointer can (`set_aside`); else kept."""
     if self._restored_step is None or self._restored_step <= step:
       return
     set_aside = getattr(self._checkpointer, "set_aside", None)
-    where = f", moved to {set_aside('best')}" if set_aside else ""
-    logging.warning("[jaxline_ng] The best checkpoint (%s=%s at step %d) is past step %d, "
-                    "evaluated first: an earlier run's%s. This run's best starts afresh.",
-                    self._metric, self._state.best_eval_metric_value, self._restored_step,
-                    step, where)
-    self._state.best_eval_metric_value = self._worst
+    moved_to = set_aside("best") if set_aside is not None else None
+    past = (f"The best checkpoint ({self._metric}={self._state.best_eval_metric_value} at step "
+            f"{self._restored_step}) is past step {step}, evaluated first")
     self._restored_step = None
+    if moved_to is None:
+      # A checkpointer of the user's may hold one best only: starting
+      # afresh would overwrite a better one.
+      logging.warning("[jaxline_ng] %s: kept, so this run's best must beat it.", past)
+      return
+    logging.warning("[jaxline_ng] %s: an earlier run's, moved to %s. This run's best starts "
+                    "afresh.", past, moved_to)
+    self._state.best_eval_metric_value = self._worst
 
   def update(self, evaluated, scalars: Mapping[str, Any]) -> None:
     """Saves `best` if `scalars` beat it; `evaluated` is the `latest` state evaluated."""

@@ -339,6 +339,18 @@ def test_an_earlier_runs_best_past_the_first_evaluation_is_set_aside(tmp_path, c
       f"run's, moved to {tmp_path / 'checkpoints' / aside}" in caplog.text
 
 
+def test_a_series_every_process_writes_is_not_set_aside(tmp_path):
+  """They could not agree on the move before their next save."""
+  config = disk_config(tmp_path, 2, best_model_eval_metric="b0")
+  run(config)
+  train.evaluate(Rich, config, disk_checkpointing.DiskCheckpointer(config, "eval"), None,
+                 jaxline_mode="eval")
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "eval")
+  checkpointer.every_process_saves = True
+  assert checkpointer.set_aside("best") is None
+  assert series_steps(tmp_path, "best") == [2]
+
+
 class NotesOnNewBest(Rich):
   """jaxline's `on_new_best_model` may add to the best state ("to dump
   additional information from the evaluator")."""

@@ -120,6 +120,21 @@ def test_best_value_kept_across_evaluator_restarts():
   assert Scripted.best_calls == []
 
 
+def test_a_best_past_the_first_evaluation_is_kept_by_a_checkpointer_that_cannot_set_it_aside(
+    caplog):
+  """A checkpointer of the user's may hold one best: starting afresh would overwrite it."""
+  Scripted.SCORES = {6: 0.9, 4: 0.5}
+  config = make_config(best_model_eval_metric="metric/score")
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "eval")
+  run_eval(config, checkpointer, [6])
+  caplog.set_level("WARNING")
+  run_eval(config, checkpointer, [4])  # `latest` rolled back: the newest is step 4 now.
+  assert [s.pickle_nest["global_step"] for s in utils.GLOBAL_CHECKPOINT_DICT["best"].history] \
+      == [6]
+  assert ("The best checkpoint (metric/score=0.9 at step 6) is past step 4, evaluated first: "
+          "kept, so this run's best must beat it.") in caplog.text
+
+
 def test_a_best_series_of_another_metric_is_refused_naming_both():
   """The best value restored is the metric's it was saved for: compared with
   another metric's values, better checkpoints went unsaved."""
