@@ -184,6 +184,15 @@ def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
       setattr(state, name, value)
 
 
+def in_memory_only(checkpointer) -> bool:
+  """Whether `checkpointer` finds checkpoints in this process's memory alone: an
+  InMemoryCheckpointer whose subclass (if any) does not look elsewhere."""
+  base = InMemoryCheckpointer
+  return (isinstance(checkpointer, base)
+          and type(checkpointer).can_be_restored is base.can_be_restored
+          and type(checkpointer).restore_path is base.restore_path)
+
+
 class InMemoryCheckpointer:
   """Keeps up to `max_checkpoints_to_keep` snapshots per series, on device as jaxline did.
 

@@ -405,7 +405,7 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
   else:
     # In-memory checkpoints come only from training in this process, which
     # eval modes do not run: what there is now is all there will be.
-    in_memory = _looks_in_memory_only(checkpointer)
+    in_memory = checkpointing.in_memory_only(checkpointer)
     if in_memory and not checkpointer.can_be_restored("latest") and \
         not config.eval_initial_weights:
       raise base_config.ConfigError(
@@ -421,15 +421,6 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
                      stop_waiting=(lambda: True) if in_memory else None)
     finally:
       _close(writer)
-
-
-def _looks_in_memory_only(checkpointer) -> bool:
-  """Whether `checkpointer` finds checkpoints in this process's memory alone: an
-  InMemoryCheckpointer whose subclass (if any) does not look elsewhere."""
-  base = checkpointing.InMemoryCheckpointer
-  return (isinstance(checkpointer, base)
-          and type(checkpointer).can_be_restored is base.can_be_restored
-          and type(checkpointer).restore_path is base.restore_path)
 
 
 def _as_config_dict(config):

@@ -468,6 +468,9 @@ def train(experiment_class, config, checkpointer, writer,
   if peer_checks is not None:
     peer_checks.close()
   if preempted is not None:
+    if checkpointing.in_memory_only(checkpointer):  # Exit 75 asks for a rerun.
+      logging.warning("[jaxline_ng] The checkpoints are in memory and end with this process: "
+                      "a rerun starts afresh (--config.checkpointer=disk keeps them).")
     raise preempted
 
 

@@ -264,13 +264,16 @@ class Slow(Finite):
   SLEEP = 0.05
 
 
-def test_wall_clock_budget_stops_saved_and_resume_continues():
+def test_wall_clock_budget_stops_saved_and_resume_continues(caplog):
   config = make_config(training_steps=1000, save_checkpoint_interval=1000,
                        wall_clock_budget_secs=0.6)
   start = time.monotonic()
   with pytest.raises(preemption.Preempted, match="wall-clock budget of 0.6s"):
     run(config, Slow)
   assert time.monotonic() - start < 10
+  # Its exit code 75 asks for a rerun, which in another process would start afresh.
+  assert "The checkpoints are in memory and end with this process: a rerun starts afresh" \
+      in caplog.text
   stopped_at = latest_step()
   assert 0 < stopped_at < 1000
   config.wall_clock_budget_secs = None
