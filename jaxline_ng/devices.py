@@ -278,6 +278,14 @@ def one_row_per_device(value: Any) -> bool:
           and sharding.shard_shape(value.shape)[0] == 1)
 
 
+def equal_rows(value: Any) -> bool:
+  """Whether every row of `value` (along its first axis) equals the first,
+  NaN equal to NaN: the first is then all of them. Reads `value`."""
+  rows = np.asarray(jax.random.key_data(value) if is_typed_key(value) else value)
+  return np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape),
+                        equal_nan=bool(jnp.issubdtype(rows.dtype, jnp.inexact)))
+
+
 def holds_shape(array: jax.Array, shape: tuple[int, ...], one_row_per_device: bool) -> bool:
   """Whether a value of `shape` can take `array`'s place on its devices: any
   size along the axes not split over them (a buffer that grows). Along split

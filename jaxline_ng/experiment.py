@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 
 from jaxline_ng import base_config, debugging, devices, preemption
@@ -191,21 +190,18 @@ def checkpoint_attrs_problem(experiment) -> str | None:
                   "device (utils.bcast_local_devices); list host values in "
                   "NON_BROADCAST_CHECKPOINT_ATTRS")
         # Only the first row is saved: rows that differ would be lost. Laid
-        # out as pmap lays out its outputs, they are copies; otherwise (a
-        # host array, one on one device) they are read, once.
+        # out as pmap lays out its outputs (or as chex's vmap does, eagerly),
+        # they are copies; otherwise (a host array, one on one device) they
+        # are read, once.
         if leaf.shape[0] != count or not (
-            eager or devices.one_row_per_device(leaf) or _equal_rows(leaf)):
+            devices.one_row_per_device(leaf) or (eager and isinstance(leaf, jax.Array))
+            or devices.equal_rows(leaf)):
           return (f"{name}.CHECKPOINT_ATTRS entry {attr!r} holds an array of shape "
                   f"{tuple(leaf.shape)} that is not one copy per local device ({count}): only "
                   "the first row would be saved; place it with utils.bcast_local_devices, or "
                   "list it in NON_BROADCAST_CHECKPOINT_ATTRS")
   return None
 
-
-def _equal_rows(array) -> bool:
-  rows = np.asarray(jax.random.key_data(array) if devices.is_typed_key(array) else array)
-  nan_equal = np.issubdtype(rows.dtype, np.inexact)
-  return np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape), equal_nan=nan_equal)
 
 
 def _overrides_snapshot(experiment) -> bool:

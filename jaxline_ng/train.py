@@ -65,10 +65,10 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
   """Why `value` is not a loggable scalar named `name`, or None if it is.
 
   A scalar is a number, or one per device: a pmap output the experiment did
-  not reduce with `get_first`, or a host array of one value copied per
-  device (`global_step`), named by a string. A vector whose length merely
-  equals the device count (per-class values) is none. Reads no device
-  memory: no transfer, no wait for the devices.
+  not reduce with `get_first`, or one value copied per device (`global_step`,
+  a schedule of it), named by a string. A vector whose length merely equals
+  the device count (per-class values) is none. Reads (and waits for) only
+  vectors of that length not laid out one per device.
   """
   if not isinstance(name, str):
     return f"has a name of type {type(name).__name__}, not a string"
@@ -85,19 +85,17 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
     return None
   if len(shape) == 1 and shape[0] in _per_device_lengths():
     # Under chex's fake pmap a pmap output is a vmap's, on one device.
-    if devices.one_row_per_device(value) or debugging.pmap_jit_disabled():
+    # Under chex's fake pmap a pmap output is a vmap's, on one device.
+    if devices.one_row_per_device(value) or (
+        isinstance(value, jax.Array) and debugging.pmap_jit_disabled()):
       return None
-    # On the host, one value copied per device is what `step` is given as
-    # `global_step`; other values are a vector's (per-class values), whose
-    # first would be logged as if it were the whole.
-    if isinstance(value, np.ndarray):
-      if np.unique(value).size == 1:
-        return None
-      where = "on the host with differing values"
-    else:
-      where = "not one row per device"
-    return (f"has shape {tuple(shape)} {where}: a vector, not one value per device (return "
-            "x[0], or the pmap output itself)")
+    # One value copied per device (`global_step` on the host, a schedule of
+    # it): the first is all of them. Other values are a vector's (per-class
+    # values), whose first would be logged as if it were the whole.
+    if devices.equal_rows(value):
+      return None
+    return (f"has shape {tuple(shape)}, with differing values not one per device: a vector, "
+            "whose first value would be logged as the whole (return a scalar)")
   return f"has shape {tuple(shape)}"
 
 

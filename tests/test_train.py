@@ -7,11 +7,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxline_ng import (
   base_config,
   checkpointing,
+  debugging,
   experiment,
   periodic,
   preemption,
@@ -171,6 +173,31 @@ def test_writer_gets_scalars_at_interval_and_final_step():
   assert [s["count"] for _, s in writer.scalars] == [3, 6, 7]
   # Every row, the first too, as in jaxline: writers written for it read the rate.
   assert all(s["steps_per_sec"] > 0 for _, s in writer.scalars)
+
+
+class LogsOneValuePerDevice(Counting):
+  """Values copied per device that are no pmap outputs: `global_step` itself
+  and a schedule computed from it (on one device), as published steps return."""
+
+  def step(self, global_step, rng, writer):
+    super().step(global_step, rng, writer)
+    return {"step": global_step, "lr": optax.cosine_decay_schedule(1.0, 10)(global_step),
+            "nan": jnp.full(jax.local_device_count(), jnp.nan, jnp.bfloat16)}
+
+
+def test_values_copied_per_device_are_logged_as_one(caplog):
+  writer = Recorder()
+  config = make_config(training_steps=2, log_train_data_interval=1, non_finite_policy="off")
+  train.train(LogsOneValuePerDevice, config, checkpointing.InMemoryCheckpointer(config, "train"),
+              writer)
+  assert [(s["step"], s["lr"]) for _, s in writer.scalars] == [
+      (0, 1.0), (1, pytest.approx(0.97552824))]
+
+
+def test_eagerly_a_device_vector_may_be_per_device_but_a_host_one_is_still_read(monkeypatch):
+  monkeypatch.setattr(debugging, "pmap_jit_disabled", lambda: True)
+  assert train._scalar_problem("loss", jnp.arange(4.0)) is None  # chex's vmap of a pmap output
+  assert "a vector" in train._scalar_problem("per_class", np.arange(4.0))
 
 
 def test_a_non_chief_process_writes_to_the_writer_given_only_with_log_all_hosts(monkeypatch):
