@@ -1167,22 +1167,23 @@ class DiskCheckpointer:
       logging.warning("[jaxline_ng] Moved the unusable checkpoint %s to %s (kept for "
                       "inspection; saving continues past its step).", path, target)
 
-  def set_aside(self, ckpt_series: str) -> str | None:
-    """Moves the series' directory aside, kept beside it, and returns where.
+  def set_aside(self, ckpt_series: str) -> bool:
+    """Moves the series this process writes aside, kept beside it.
 
-    Only the chief moves the series it alone writes, the one every process
-    reads; elsewhere (other processes, or all writing together, which could
-    not agree on the move before their next save) returns None.
+    Returns whether this process's series is clear now: False where every
+    process writes into one series together (they could not agree on the
+    move before their next save), which keeps it.
     """
-    series_dir = self._series_dir(ckpt_series)
-    if (self.every_process_saves or not multihost.is_chief()
-        or not os.path.isdir(series_dir)):
-      return None
-    with self._lock:
-      self._managers.pop(ckpt_series, None)
-    target = f"{series_dir.rstrip(os.sep)}.earlier-{time.strftime('%Y%m%dT%H%M%S')}"
-    os.rename(series_dir, target)
-    return target
+    if self.every_process_saves:
+      return False
+    series_dir = self._series_dir(ckpt_series)  # The chief's, or a process's own tree.
+    if os.path.isdir(series_dir):
+      with self._lock:
+        self._managers.pop(ckpt_series, None)
+      target = f"{series_dir.rstrip(os.sep)}.earlier-{time.strftime('%Y%m%dT%H%M%S')}"
+      os.rename(series_dir, target)
+      logging.warning("[jaxline_ng] Moved %s to %s.", series_dir, target)
+    return True
 
   def wait_for_checkpointing_to_finish(self) -> None:
     self._saves.wait()

@@ -597,17 +597,16 @@ class _BestTracker:
     if self._restored_step is None or self._restored_step <= step:
       return
     set_aside = getattr(self._checkpointer, "set_aside", None)
-    moved_to = set_aside("best") if set_aside is not None else None
     past = (f"The best checkpoint ({self._metric}={self._state.best_eval_metric_value} at step "
             f"{self._restored_step}) is past step {step}, evaluated first")
     self._restored_step = None
-    if moved_to is None:
-      # A checkpointer of the user's may hold one best only: starting
-      # afresh would overwrite a better one.
+    # A checkpointer of the user's may hold one best only: starting afresh
+    # would overwrite a better one.
+    if set_aside is None or not set_aside("best"):
       logging.warning("[jaxline_ng] %s: kept, so this run's best must beat it.", past)
       return
-    logging.warning("[jaxline_ng] %s: an earlier run's, moved to %s. This run's best starts "
-                    "afresh.", past, moved_to)
+    logging.warning("[jaxline_ng] %s: an earlier run's, set aside. This run's best starts "
+                    "afresh.", past)
     self._state.best_eval_metric_value = self._worst
 
   def update(self, evaluated, scalars: Mapping[str, Any]) -> None:

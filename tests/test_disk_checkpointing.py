@@ -336,7 +336,9 @@ def test_an_earlier_runs_best_past_the_first_evaluation_is_set_aside(tmp_path, c
   [aside] = [name for name in os.listdir(tmp_path / "checkpoints") if ".earlier-" in name]
   assert aside.startswith("best.earlier-") and series_steps(tmp_path, aside) == [4]
   assert "(b0=" in caplog.text and "at step 4) is past step 2, evaluated first: an earlier " \
-      f"run's, moved to {tmp_path / 'checkpoints' / aside}" in caplog.text
+      "run's, set aside" in caplog.text
+  assert f"Moved {tmp_path / 'checkpoints' / 'best'} to {tmp_path / 'checkpoints' / aside}" \
+      in caplog.text
 
 
 def test_a_series_every_process_writes_is_not_set_aside(tmp_path):
@@ -347,8 +349,19 @@ def test_a_series_every_process_writes_is_not_set_aside(tmp_path):
                  jaxline_mode="eval")
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "eval")
   checkpointer.every_process_saves = True
-  assert checkpointer.set_aside("best") is None
+  assert not checkpointer.set_aside("best")
   assert series_steps(tmp_path, "best") == [2]
+
+
+def test_a_process_writing_its_own_tree_sets_its_own_series_aside(tmp_path, monkeypatch):
+  """`best_checkpoint_all_hosts` in pmap mode: each process saves a tree of its own."""
+  monkeypatch.setattr(multihost, "is_chief", lambda: False)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  checkpointer = disk_checkpointing.DiskCheckpointer(disk_config(tmp_path, 2), "eval")
+  own = tmp_path / "checkpoints" / "process_1"
+  os.makedirs(own / "best" / "6")
+  assert checkpointer.set_aside("best")
+  assert [name.split("-")[0] for name in os.listdir(own)] == ["best.earlier"]
 
 
 class NotesOnNewBest(Rich):
