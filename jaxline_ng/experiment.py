@@ -224,15 +224,20 @@ def describe_state(experiment) -> str:
       parts.append(f"{name}: not built yet")
       continue
     values = size = 0
+    plain = []  # Python numbers and strings, shown as they are.
     for leaf in jax.tree.leaves(value):
       shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
       if shape is None or dtype is None:
+        plain.append(repr(leaf))
         continue
       if per_device and attr in attrs and shape:
         shape = shape[1:]
       count = math.prod(shape)
       values, size = values + count, size + count * dtype.itemsize
-    parts.append(f"{name}: {values:,} values, {size:,} bytes")
+    if plain and not values:
+      parts.append(f"{name}: {', '.join(plain):.60}")
+    else:
+      parts.append(f"{name}: {values:,} values, {size:,} bytes")
   if _overrides_snapshot(experiment):
     parts.append(f"what {type(experiment).__name__}.snapshot_state returns")
   return "; ".join(parts) or "nothing is checkpointed"

@@ -632,6 +632,8 @@ def test_describe_state_counts_one_copy_of_replicated_state():
   assert experiment.describe_state(module) == "params: 4 values, 16 bytes"
   module._params = None  # pylint: disable=protected-access  (built by the first step)
   assert experiment.describe_state(module) == "params: not built yet"
+  module._params = 12  # pylint: disable=protected-access  (physics_inspired_models' step count)
+  assert experiment.describe_state(module) == "params: 12"
 
 
 class DonatingNonBroadcast(Donating):
