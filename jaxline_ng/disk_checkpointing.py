@@ -1167,23 +1167,21 @@ class DiskCheckpointer:
       logging.warning("[jaxline_ng] Moved the unusable checkpoint %s to %s (kept for "
                       "inspection; saving continues past its step).", path, target)
 
-  def set_aside(self, ckpt_series: str) -> bool:
+  def set_aside(self, ckpt_series: str) -> None:
     """Moves the series this process writes aside, kept beside it.
 
-    Returns whether this process's series is clear now: False where every
-    process writes into one series together (they could not agree on the
-    move before their next save), which keeps it.
+    Where every process writes into one series (mesh mode), the chief moves
+    it and the others wait for that, before any of them saves there again.
     """
-    if self.every_process_saves:
-      return False
     series_dir = self._series_dir(ckpt_series)  # The chief's, or a process's own tree.
-    if os.path.isdir(series_dir):
-      with self._lock:
-        self._managers.pop(ckpt_series, None)
+    if (multihost.is_chief() or not self.every_process_saves) and os.path.isdir(series_dir):
       target = f"{series_dir.rstrip(os.sep)}.earlier-{time.strftime('%Y%m%dT%H%M%S')}"
       os.rename(series_dir, target)
       logging.warning("[jaxline_ng] Moved %s to %s.", series_dir, target)
-    return True
+    if self.every_process_saves:
+      multihost.rendezvous(f"jaxline_ng_set_aside_{ckpt_series}")
+    with self._lock:
+      self._managers.pop(ckpt_series, None)
 
   def wait_for_checkpointing_to_finish(self) -> None:
     self._saves.wait()

@@ -94,8 +94,8 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
     # values), whose first would be logged as if it were the whole.
     if devices.equal_rows(value):
       return None
-    return (f"has shape {tuple(shape)}, with differing values not one per device: a vector, "
-            "whose first value would be logged as the whole (return a scalar)")
+    return (f"is a vector of {shape[0]} differing values, not one per device (its first alone "
+            "would be logged)")
   return f"has shape {tuple(shape)}"
 
 
@@ -593,7 +593,7 @@ class _BestTracker:
     """Before the first evaluation, of `step`: a best saved past it is an
     earlier run's (a run restarted afresh), which this run's must not have to
     beat, nor mix with in one series. Set aside, as its metric rows are,
-    where the checkpointer can (`set_aside`); else kept."""
+    where the checkpointer can (`set_aside`); else kept, to be beaten."""
     if self._restored_step is None or self._restored_step <= step:
       return
     set_aside = getattr(self._checkpointer, "set_aside", None)
@@ -602,11 +602,12 @@ class _BestTracker:
     self._restored_step = None
     # A checkpointer of the user's may hold one best only: starting afresh
     # would overwrite a better one.
-    if set_aside is None or not set_aside("best"):
+    if set_aside is None:
       logging.warning("[jaxline_ng] %s: kept, so this run's best must beat it.", past)
       return
     logging.warning("[jaxline_ng] %s: an earlier run's, set aside. This run's best starts "
                     "afresh.", past)
+    set_aside("best")
     self._state.best_eval_metric_value = self._worst
 
   def update(self, evaluated, scalars: Mapping[str, Any]) -> None:

@@ -317,8 +317,8 @@ def toy_variant(**methods):
     ({"loss": 1.0, 0: 2.0}, "step() returned scalar 0 that has a name of type int, not a string"),
     # Per-class values whose count happens to equal the devices' (4) are no per-device values.
     ({"loss": 1.0, "per_class": np.arange(4.0)},
-     "step() returned scalar 'per_class' that has shape (4,), with differing values not one per "
-     "device: a vector"),
+     "step() returned scalar 'per_class' that is a vector of 4 differing values, not one per "
+     "device (its first alone would be logged): return numbers"),
 ])
 def test_step_returning_what_cannot_be_logged_stops_at_that_step_naming_it(returned, culprit):
   from jaxline_ng import checkpointing, train  # pylint: disable=import-outside-toplevel
