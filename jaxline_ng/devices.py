@@ -280,7 +280,11 @@ def one_row_per_device(value: Any) -> bool:
 
 def equal_rows(value: Any) -> bool:
   """Whether every row of `value` (along its first axis) equals the first,
-  NaN equal to NaN: the first is then all of them. Reads `value`."""
+  NaN equal to NaN: the first is then all of them. Reads `value` (False
+  where this process holds only some of its rows)."""
+  if isinstance(value, jax.Array) and not (value.is_fully_addressable
+                                           or value.is_fully_replicated):
+    return False
   rows = np.asarray(jax.random.key_data(value) if is_typed_key(value) else value)
   return np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape),
                         equal_nan=bool(jnp.issubdtype(rows.dtype, jnp.inexact)))

@@ -203,7 +203,6 @@ def checkpoint_attrs_problem(experiment) -> str | None:
   return None
 
 
-
 def _overrides_snapshot(experiment) -> bool:
   """Whether the experiment's own `snapshot_state` adds to (or replaces) the attributes'."""
   return type(experiment).snapshot_state is not AbstractExperiment.snapshot_state

@@ -85,7 +85,6 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
     return None
   if len(shape) == 1 and shape[0] in _per_device_lengths():
     # Under chex's fake pmap a pmap output is a vmap's, on one device.
-    # Under chex's fake pmap a pmap output is a vmap's, on one device.
     if devices.one_row_per_device(value) or (
         isinstance(value, jax.Array) and debugging.pmap_jit_disabled()):
       return None
