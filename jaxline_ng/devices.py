@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxline_ng import debugging
+
 # The axis name of the mesh per-device data is placed on. pmap's compile cache
 # is keyed on its inputs' mesh, axis names included, and a pmap's outputs live
 # on a mesh named after its `axis_name`: placing state on a mesh named "i",
@@ -270,12 +272,13 @@ def one_row_per_device(value: Any) -> bool:
   """Whether `value` is laid out as pmap lays out its outputs: a `jax.Array`
   whose leading axis has one row on each of its devices. (A host array, or
   one on a single device, whose leading axis merely equals the device count
-  is not.)"""
+  is not.) Under `--jaxline_disable_pmap_jit` any device array is: chex's
+  vmap puts a pmap's outputs on one device."""
   if not isinstance(value, jax.Array) or not value.shape:
     return False
   sharding = value.sharding
   return (value.shape[0] == len(sharding.device_set)
-          and sharding.shard_shape(value.shape)[0] == 1)
+          and sharding.shard_shape(value.shape)[0] == 1) or debugging.pmap_jit_disabled()
 
 
 def equal_rows(value: Any) -> bool:
@@ -285,7 +288,7 @@ def equal_rows(value: Any) -> bool:
   if isinstance(value, jax.Array) and not (value.is_fully_addressable
                                            or value.is_fully_replicated):
     return False
-  rows = np.asarray(jax.random.key_data(value) if is_typed_key(value) else value)
+  rows = np.asarray(raw_keys(value))
   return np.array_equal(rows, np.broadcast_to(rows[:1], rows.shape),
                         equal_nan=bool(jnp.issubdtype(rows.dtype, jnp.inexact)))
 

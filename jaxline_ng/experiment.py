@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from jaxline_ng import base_config, debugging, devices, preemption
+from jaxline_ng import base_config, devices, preemption
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import rng as rng_lib
 
@@ -180,8 +180,6 @@ def checkpoint_attrs_problem(experiment) -> str | None:
                 "__init__ (None until step builds it) or fix the name")
   if mesh_lib.active_mesh() is None:
     count = jax.local_device_count()
-    # Under chex's fake pmap a pmap output is a vmap's, on one device.
-    eager = debugging.pmap_jit_disabled()
     for attr in attrs:
       for leaf in jax.tree.leaves(getattr(experiment, attr)):
         if getattr(leaf, "ndim", 0) < 1:
@@ -190,12 +188,10 @@ def checkpoint_attrs_problem(experiment) -> str | None:
                   "device (utils.bcast_local_devices); list host values in "
                   "NON_BROADCAST_CHECKPOINT_ATTRS")
         # Only the first row is saved: rows that differ would be lost. Laid
-        # out as pmap lays out its outputs (or as chex's vmap does, eagerly),
-        # they are copies; otherwise (a host array, one on one device) they
-        # are read, once.
+        # out as pmap lays out its outputs, they are copies; otherwise (a
+        # host array, one on one device) they are read, once.
         if leaf.shape[0] != count or not (
-            devices.one_row_per_device(leaf) or (eager and isinstance(leaf, jax.Array))
-            or devices.equal_rows(leaf)):
+            devices.one_row_per_device(leaf) or devices.equal_rows(leaf)):
           return (f"{name}.CHECKPOINT_ATTRS entry {attr!r} holds an array of shape "
                   f"{tuple(leaf.shape)} that is not one copy per local device ({count}): only "
                   "the first row would be saved; place it with utils.bcast_local_devices, or "

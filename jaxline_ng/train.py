@@ -84,9 +84,7 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
   if not shape or shape == (1,):
     return None
   if len(shape) == 1 and shape[0] in _per_device_lengths():
-    # Under chex's fake pmap a pmap output is a vmap's, on one device.
-    if devices.one_row_per_device(value) or (
-        isinstance(value, jax.Array) and debugging.pmap_jit_disabled()):
+    if devices.one_row_per_device(value):
       return None
     # One value copied per device (`global_step` on the host, a schedule of
     # it): the first is all of them. Other values are a vector's (per-class
