@@ -96,48 +96,41 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
   return f"has shape {tuple(shape)}"
 
 
-def scalar_problems(scalars: Any, producer: str) -> list[str]:
-  """One line per value of `scalars` that cannot be logged, naming its key.
+def scalar_problems(scalars: Any, producer: str) -> dict[Any, str]:
+  """`{name: one line saying why it cannot be logged}` for each bad value of `scalars`.
 
   Raises ScalarsError if `scalars` is not a mapping at all.
   """
   if not isinstance(scalars, Mapping):
     raise ScalarsError(f"{producer} returned {type(scalars).__name__} {scalars!r:.60}: return a "
                        "dict of scalars {name: value} (an empty dict to log nothing)")
-  problems = []
+  problems = {}
   for name, value in scalars.items():
     problem = _scalar_problem(name, value)
     if problem is not None:
-      problems.append(f"{producer} returned scalar {name!r} that {problem}: return numbers, "
-                      "or one per local device")
+      problems[name] = (f"{producer} returned scalar {name!r} that {problem}: return numbers, "
+                        "or one per local device")
   return problems
 
 
-def host_scalars(scalars: Mapping[str, Any]) -> dict[str, Any]:
-  """Copies step/evaluate outputs to host numbers for logging.
-
-  A value may be a scalar or one copy per local device (a pmap output the
-  experiment did not reduce with `get_first`); the first device's copy is
-  taken then. Anything else is a ScalarsError naming the scalar. Nothing
-  is dispatched to the devices (see `host_scalars_of_steps`).
-  """
-  _check_scalars([scalars], "the experiment")
-  return _numbers(devices.first_copy_to_host(dict(scalars)))
+def _check_scalars(steps: Sequence[Mapping[str, Any]], producer: str) -> None:
+  """Raises ScalarsError naming the first value of `steps` that cannot be logged."""
+  for scalars in steps:
+    for problem in scalar_problems(scalars, producer).values():
+      raise ScalarsError(problem)
 
 
 def host_scalars_of_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """`host_scalars` of several training steps' outputs, stacked on the devices
-  and read together."""
+  """Training steps' outputs as host numbers for logging, stacked on the devices
+  and read together.
+
+  A value may be a scalar or one copy per local device (a pmap output the
+  experiment did not reduce with `get_first`); the first device's copy is
+  taken then. Anything else is a ScalarsError naming the scalar.
+  """
   _check_scalars(steps, "step()")
   return [_numbers(values)
           for values in devices.first_copies_to_host([dict(scalars) for scalars in steps])]
-
-
-def _check_scalars(steps: Sequence[Mapping[str, Any]], producer: str) -> None:
-  for scalars in steps:
-    problems = scalar_problems(scalars, producer)
-    if problems:
-      raise ScalarsError(problems[0])
 
 
 def _numbers(values: dict[str, Any]) -> dict[str, Any]:
@@ -169,9 +162,7 @@ class _FirstStepChecks(periodic.EveryStepAction):
     if self._done:
       return
     self._done = True
-    problems = scalar_problems(scalars, "step()")
-    if problems:
-      raise ScalarsError(problems[0])
+    _check_scalars([scalars], "step()")
     if self._experiment is not None:
       problem = experiment_lib.checkpoint_attrs_problem(self._experiment)
       if problem:
@@ -781,14 +772,14 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # The row's loggable values are written before a bad one stops the run:
     # an evaluation can take hours.
     problems = scalar_problems(scalars, "evaluate()")
-    values = host_scalars({name: value for name, value in scalars.items()
-                           if _scalar_problem(name, value) is None})
+    values = _numbers(devices.first_copy_to_host(
+        {name: value for name, value in scalars.items() if name not in problems}))
     logging.info("[jaxline_ng] eval step %d: %s", state.global_step, values)
     if writer is not None:
       writer.write_scalars(state.global_step, values)
     if problems:
       flush_if_possible(writer)
-      raise ScalarsError(problems[0])
+      raise ScalarsError(next(iter(problems.values())))
     _check_best_metric(config, scalars)
     if best is not None:
       best.update(state, values)
