@@ -79,11 +79,22 @@ class AbstractExperiment(abc.ABC):
   def train_loop(self, config, state, periodic_actions, writer=None) -> None:
     """Runs training steps until `should_run_step` says stop.
 
-    `state` is the checkpointed training state: `state.global_step` (host int,
-    steps completed) and `state.train_step_rng` (the chain key) are advanced
-    here, so a checkpoint taken by a periodic action always matches the step
-    it was taken at. Each action is called as `action(time, global_step,
-    scalars)` after every step.
+    Each step calls `step` with those of these keyword arguments it declares:
+      - `global_step`: the steps completed before this one, as a read-only
+        host `int32[local devices]` (pmap) or a host `int32` (mesh mode);
+      - `rng`: the step's key, raw `uint32[local devices, 2]` with one row on
+        each device (pmap) or one replicated `uint32[2]` (mesh mode);
+      - `writer`: the run's writer, or None where this process writes nothing.
+    Then `state.global_step` (host int) and `state.train_step_rng` (the chain
+    key) are advanced, so a checkpoint taken by a periodic action always
+    matches the step it was taken at, and each action is called as
+    `action(time, global_step, scalars)`.
+
+    The loop itself never waits for the devices: it dispatches steps ahead of
+    them. Actions wait: a save (for the newest step, whose scalars its
+    non-finite check reads, and before a disk save for the metric rows up to
+    it), the non-finite guard every `guards.MAX_UNCHECKED` steps logging has
+    not read, and logging that has fallen a second behind.
     """
     step = keyword_filtered(self.step)
     step_keys = rng_lib.StepKeys(config.random_mode_train)
