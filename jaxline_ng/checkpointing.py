@@ -142,7 +142,7 @@ def device_snapshot(state) -> dict[str, Any]:
   The experiment's part is its `snapshot_state()`, which makes fresh
   buffers; an override may return live ones, so those are copied. Training
   may then donate or replace the live arrays without touching the snapshot,
-  and the training thread never waits for the devices to save. The loop's
+  and taking it does not wait for the devices. The loop's
   own entries (the step, the chain key) are replaced each step, never
   donated, so they are kept as they are.
   """
@@ -198,8 +198,8 @@ class InMemoryCheckpointer:
 
   As jaxline: `save` appends a snapshot to the series before it returns, so
   `history[-1]` is that save, its `pickle_nest` a `ConfigDict`. Its arrays
-  are fresh device copies (`device_snapshot`): saving never waits for the
-  devices, and reading a value waits only for the steps it depends on.
+  are fresh device copies (`device_snapshot`), dispatched before the
+  non-finite check waits for the newest step, so the devices copy meanwhile.
   """
 
   def __init__(self, config, mode: str):

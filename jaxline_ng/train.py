@@ -58,7 +58,7 @@ _UNLOGGABLE_KINDS = "cSUO"
 @functools.cache
 def _per_device_lengths() -> tuple[int, ...]:
   """Lengths of one value per device: per local device from pmap, per device of a mesh."""
-  return (1, jax.local_device_count(), jax.device_count())
+  return (jax.local_device_count(), jax.device_count())
 
 
 def _scalar_problem(name: Any, value: Any) -> str | None:
@@ -209,8 +209,8 @@ class _LoggingAction(periodic.PeriodicAction):
 
 
 class _SaveAction(periodic.PeriodicAction):
-  """Periodic saving: it reads no scalars, so it does not wait for the step,
-  and leaves the last step to the final save (`train`)."""
+  """Periodic saving: it reads no scalars (the save's non-finite check reads
+  the newest step's), and leaves the last step to the final save (`train`)."""
 
   def _act_on(self, due):
     for step, _, _ in due:
@@ -234,8 +234,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
   checkpoint), so a resumed run does not restart its saving clock.
   """
   start_step = state.global_step
-  keeps_run_facts = _keeps_run_facts(checkpointer, state)
-  times = getattr(state, "periodic_action_times", None) if keeps_run_facts else None
+  keeps_our_entries = _keeps_our_entries(checkpointer, state)
+  times = getattr(state, "periodic_action_times", None) if keeps_our_entries else None
   saved_at_time, saved_at_step = (times or {}).get("checkpoint", (time.time(), start_step))
   logging_type = _interval_type(config, "logging_interval_type")
   growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
@@ -278,8 +278,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
         logging_growth_ratios=growth)
 
   saved_at = [None]
-  # jaxline_ng's checkpointers run the guard on their save worker (waiting for
-  # the step there, not here); a user's checkpointer gets a checked state.
+  # jaxline_ng's checkpointers run the guard after dispatching their copies
+  # (the disk one on its save worker); a user's checkpointer gets a checked state.
   validates = "validate" in inspect.signature(checkpointer.save).parameters
   durable = writer is not None and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
 
@@ -287,7 +287,7 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     del step, scalars
     if saved_at[0] == state.global_step:
       return  # The final save right after a periodic one at the same step.
-    if "checkpoint" in actions and keeps_run_facts:
+    if "checkpoint" in actions and keeps_our_entries:
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if durable:
       _flush_metrics(actions.get("write"), writer, config.log_all_train_data)
@@ -359,11 +359,11 @@ def train(experiment_class, config, checkpointer, writer,
   state.experiment_module = experiment
   state.train_step_rng = experiment.initialize_train_step_rng(train_key)
   run_config = json.dumps(run_record.flat_config(config), sort_keys=True)
-  keeps_run_facts = _keeps_run_facts(checkpointer, state)
+  keeps_our_entries = _keeps_our_entries(checkpointer, state)
   if checkpointer.can_be_restored("latest"):
     with experiment_lib.log_activity("checkpoint restore"):
       checkpointer.restore("latest")
-    if keeps_run_facts:
+    if keeps_our_entries:
       _check_resumed_config(getattr(state, "run_config", None), run_config,
                             config.strict_resume_config)
   # After the restore, which builds the entries a fresh experiment leaves to `step`.
@@ -374,7 +374,7 @@ def train(experiment_class, config, checkpointer, writer,
   multihost.check_same_as_chief(
       "resumed", {"from step": int(state.global_step)},
       "every process must see the same checkpoints: give them one shared checkpoint_dir")
-  if keeps_run_facts:
+  if keeps_our_entries:
     state.run_config = run_config
   if writer is not None and hasattr(writer, "resume"):
     # Rows an interrupted run wrote past its last checkpoint are redone from
@@ -432,7 +432,7 @@ def train(experiment_class, config, checkpointer, writer,
         save_latest()
   except BaseException as error:
     # The rows of the steps run are written before the writer closes (one
-    # closed under a queued write raised a second, misleading error), and
+    # closed under a queued write would raise a second, misleading error), and
     # saves made before the error still land (the guard vetoes any it covers).
     for action in own_actions:
       try:
@@ -460,7 +460,7 @@ def train(experiment_class, config, checkpointer, writer,
     raise preempted
 
 
-def _keeps_run_facts(checkpointer, state) -> bool:
+def _keeps_our_entries(checkpointer, state) -> bool:
   """Whether the `latest` state keeps jaxline_ng's entries beside jaxline's:
   the run's config (compared on resume) and when the last periodic save ran.
   They are read back only where they are kept: any other state may hold
@@ -473,7 +473,7 @@ def _keeps_run_facts(checkpointer, state) -> bool:
   entries alone, and may lock them or save them with a library that refuses
   a string or a dict of tuples.
   """
-  return (isinstance(state, checkpointing.ExperimentState) and _restore_is_ours(checkpointer)
+  return (isinstance(state, checkpointing.ExperimentState) and _is_ours(checkpointer, "restore")
           and _is_ours(checkpointer, "save"))
 
 
@@ -501,7 +501,7 @@ def _check_saves_agree(config, checkpointer) -> None:
     why = ("every process of this multi-process mesh run writes its shards of each save, so "
            "all must save after the same step")
   elif (multihost.is_multiprocess() and config.train_checkpoint_all_hosts
-        and not _restore_is_ours(checkpointer)):
+        and not _is_ours(checkpointer, "restore")):
     why = (f"with config.train_checkpoint_all_hosts=True each process saves its own, and "
            f"{type(checkpointer).__name__} would resume each from another step")
   else:
@@ -531,12 +531,8 @@ def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None
 _OUR_CHECKPOINTERS = ("jaxline_ng.checkpointing", "jaxline_ng.disk_checkpointing")
 
 
-def _restore_is_ours(checkpointer) -> bool:
-  """Whether `checkpointer.restore` is jaxline_ng's (not a user's override)."""
-  return _is_ours(checkpointer, "restore")
-
-
 def _is_ours(checkpointer, method: str) -> bool:
+  """Whether `checkpointer`'s `method` is jaxline_ng's (not a user's override)."""
   # Looked up on the class: a `mock.Mock()` or a wrapper forwarding through
   # `__getattr__` has the method on the instance alone.
   return getattr(getattr(type(checkpointer), method, None), "__module__",
@@ -558,7 +554,7 @@ class _BestTracker:
     self._worst = -math.inf if self._higher_is_better else math.inf
     self._state.best_eval_metric_value = self._worst
     self._state.best_model_eval_metric = self._metric
-    self._state.experiment_module = None if _restore_is_ours(checkpointer) else experiment
+    self._state.experiment_module = None if _is_ours(checkpointer, "restore") else experiment
     self._restored_step = None
     if checkpointer.can_be_restored("best"):
       checkpointer.restore("best")
@@ -639,7 +635,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   Each step is evaluated at most once, in increasing order. A save can land
   between `restore_path` and `restore`, so the checkpoint restored may be newer
   than the one polled; the step restored, not the path, says what was
-  evaluated (keying on the path evaluated such a step twice).
+  evaluated (keyed on the path, such a step would be evaluated twice).
 
   Stops after evaluating a checkpoint whose step ends training (by the
   experiment's `should_run_step`), after one evaluation with
@@ -663,7 +659,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   state = checkpointer.get_experiment_state("latest")
   state.global_step = 0
   state.experiment_module = experiment
-  if not _restore_is_ours(checkpointer):
+  if not _is_ours(checkpointer, "restore"):
     # As jaxline: a checkpointer written for it restores the entries the
     # state holds, and the best state takes the key chain from there.
     state.train_step_rng = None
