@@ -293,12 +293,12 @@ def equal_rows(value: Any) -> bool:
                         equal_nan=bool(jnp.issubdtype(rows.dtype, jnp.inexact)))
 
 
-def holds_shape(array: jax.Array, shape: tuple[int, ...], one_row_per_device: bool) -> bool:
+def holds_shape(array: jax.Array, shape: tuple[int, ...], pmap_layout: bool) -> bool:
   """Whether a value of `shape` can take `array`'s place on its devices: any
   size along the axes not split over them (a buffer that grows). Along split
-  axes the size must be the same when each device holds one row (a pmap
-  value's device axis), and otherwise divide evenly over the devices."""
-  if one_row_per_device:
+  axes the size must be the same where `pmap_layout` (each device holds one
+  row: a pmap value's device axis), and otherwise divide evenly over the devices."""
+  if pmap_layout:
     return all(axis < len(shape) and shape[axis] == array.shape[axis]
                for axis in split_axes(array))
   try:
@@ -325,7 +325,7 @@ def restored_like(live: Any, restored: Any) -> Any:
         not is_typed_key(live_leaf):
       return jax.random.key_data(restored_leaf)
     if isinstance(live_leaf, jax.Array) and isinstance(restored_leaf, np.ndarray) and \
-        holds_shape(live_leaf, restored_leaf.shape, one_row_per_device=False):
+        holds_shape(live_leaf, restored_leaf.shape, pmap_layout=False):
       # An uncommitted value stays so: jit moves it to the devices of the
       # arrays it meets, which a value pinned to one device would refuse.
       return jax.device_put(restored_leaf, live_leaf.sharding if live_leaf.committed else None)

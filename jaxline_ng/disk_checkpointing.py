@@ -673,7 +673,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
             f"{tuple(live_leaf.shape)}"
             + (f" (saved by {saved_by}, now {now})" if saved_by != now else ""))
       if isinstance(live_leaf, jax.Array) and not devices.holds_shape(
-          live_leaf, shape, one_row_per_device=pmap_mode):
+          live_leaf, shape, pmap_layout=pmap_mode):
         live_leaf = None
       sharding = getattr(live_leaf, "sharding", None)
       if sharding is not None and not pmap_mode and len(sharding.device_set) > 1:

@@ -86,7 +86,7 @@ class NonFiniteGuard(periodic.EveryStepAction):
     checked before they were saved."""
     self._policy = policy
     self._unchecked: collections.deque[tuple[int, Any]] = collections.deque()
-    self._lock = threading.Lock()  # Uncontended on the loop's thread: ~0.1 us.
+    self._lock = threading.Lock()
     # The earliest step an observer saw non-finite, and the names it saw, until
     # the loop's thread reports it; steps from it on are not forgotten meanwhile.
     self._bad_seen: tuple[int, list[str]] | None = None
@@ -173,7 +173,7 @@ class NonFiniteGuard(periodic.EveryStepAction):
       return
     newest_step, newest = steps[-1]
     if newest_host is None:
-      newest_host = _host_copy(newest)
+      newest_host = devices.first_copy_to_host(dict(newest))
     if non_finite_names(newest_host):
       self._report_first_bad(steps)
     else:
@@ -206,7 +206,7 @@ class NonFiniteGuard(periodic.EveryStepAction):
       for step, scalars in steps:
         if step <= self._reported_through:
           continue
-        bad = non_finite_names(_host_copy(scalars, every_device=True))
+        bad = non_finite_names(jax.device_get(dict(scalars)))  # Every device's copy.
         if bad:
           self._report(step, bad)
       if steps:
@@ -321,9 +321,3 @@ class PeerChecks:
     self._closed.set()
     if self._answering is not None:
       self._answering.join()
-
-
-def _host_copy(scalars: Any, every_device: bool = False) -> dict[str, Any]:
-  """Host values of one step's scalars: the first device's copy, or every device's."""
-  scalars = dict(scalars)
-  return jax.device_get(scalars) if every_device else devices.first_copy_to_host(scalars)

@@ -176,8 +176,8 @@ class PeriodicAction:
     elif self.log_all_data and len(self._unlogged) > self._most_behind():
       # Rows kept for the next due step are handed over before it, with the
       # bound on how far behind they may fall: held back for a long interval
-      # (seconds), a slow writer's backlog grew without bound, and a stop
-      # waited for all of it before saving.
+      # (seconds), a slow writer's backlog would grow without bound, and a
+      # stop would wait for all of it before saving.
       self._hand_over([(s, None, values) for s, values in self._unlogged])
       self._unlogged = []
 

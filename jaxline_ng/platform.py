@@ -80,6 +80,9 @@ def _report_config_errors_in_one_line(config_flag) -> None:
   (several lines later), and a syntax error or an override of an unknown key
   as a raw traceback. Each becomes a flag error naming the file or override.
   """
+  # ml_collections' flag has no public hook for its parse errors, and flag
+  # values are parsed inside `app.run`, before any code of ours could catch
+  # them: its `_parse` is wrapped.
   parse = config_flag._parse  # pylint: disable=protected-access
 
   def parse_or_explain(argument: str):
@@ -127,8 +130,6 @@ def _report_config_errors_in_one_line(config_flag) -> None:
       raise flags.IllegalFlagValueError(f"get_config() in {path!r} returned None")
     return config
 
-  # ml_collections' flag has no public hook for its parse errors, and flag
-  # values are parsed inside `app.run`, before any code of ours could catch them.
   config_flag._parse = parse_or_explain  # pylint: disable=protected-access
 
 

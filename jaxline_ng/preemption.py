@@ -118,8 +118,8 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
   while data := os.read(read_fd, 64):
     # What arrives within `_AT_ONCE_SECS` is read with it: a signal delivered
     # twice at once is one request (coreutils' `timeout` signals its child and
-    # then its process group, microseconds apart; acting on the second as a
-    # second signal exited without the final save). A person, or a program
+    # then its process group, microseconds apart; acted on as another signal,
+    # the second would exit without the final save). A person, or a program
     # that waits for the first to be acted on, sends a second one later.
     while (select.select([read_fd], [], [], _AT_ONCE_SECS)[0]
            and (more := os.read(read_fd, 64))):

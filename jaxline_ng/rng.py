@@ -78,14 +78,11 @@ def specialize_rng_host_device(rng, host_id, axis_name: str,
   device's entry of `host_id_devices_for_rng(mode)`, or None.
   """
   check_random_mode(mode, "random_mode")
-  host_part, _, device_part, _ = mode.split("_")
-  if host_part == "unique":
-    if host_id is None:
-      raise ValueError(f"random mode {mode!r} needs a host id")
-    rng = jax.random.fold_in(rng, host_id)
-  if device_part == "unique":
-    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-  return rng
+  if mode.startswith("unique_host_") and host_id is None:
+    raise ValueError(f"random mode {mode!r} needs a host id")
+  # The axis is looked up only where it is used: a caller may leave it unbound.
+  device = jax.lax.axis_index(axis_name) if mode.endswith("_unique_device") else 0
+  return _specialize(rng, mode, host_id, device)
 
 
 def _specialize(key, mode: str, process: int, device: jax.Array):
@@ -154,10 +151,9 @@ def keys_compiled_meanwhile(train_key, mode: str) -> Iterator[None]:
   """Within the block, a thread compiles the step keys' program for the
   default chain (`replicate_key(train_key)`), so the first step need not.
 
-  The block is the experiment's construction, which the compilation (a
-  few tenths of a second on CPU) then overlaps. The thread is joined when
-  the block ends, however it ends: a thread left running past a failing
-  constructor aborted the interpreter at exit. A failure to compile is
+  The block is the experiment's construction, which the compilation then
+  overlaps. The thread is joined when the block ends, however it ends: one
+  still compiling when the interpreter exits aborts it. A failure to compile is
   left to the loop's own call, which raises it. Single-process runs only:
   with several, placing a key on global devices is left to the loop, which
   every process runs alike.

@@ -349,8 +349,8 @@ def _summary_value_bytes(tag: str, value: float) -> bytes:
   """One `Summary.value` entry as `tf.summary.scalar` writes it: a float32
   tensor tagged for the scalars plugin.
 
-  Serialized by hand, from a cached head: building the protos costs ~10 us
-  a value, and a run may log every step.
+  Serialized by hand, from a cached head, rather than building protos for
+  every value of every step a run may log.
   """
   try:
     value_bytes = struct.pack("<f", value)
