@@ -10,7 +10,8 @@ reach functions created before, such as pmaps built at import time; those run
 under `disable_jit` instead, op by op on every device, which shows each
 device's concrete values but is far slower. Functions compiled ahead of time
 (`jax.jit(f).lower(...).compile()`) cannot be made eager; the log says so
-when the switch is on.
+when the switch is on. jaxline_ng's own device helpers (`compiled`) stay
+compiled: the switch is for the experiment's code.
 """
 
 import contextlib
@@ -68,6 +69,26 @@ def disable_pmap_jit(fn):
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+def compiled(fn=None, /, **jit_kwargs):
+  """`jax.jit(fn, **jit_kwargs)` that stays compiled under `--jaxline_disable_pmap_jit`.
+
+  For jaxline_ng's own device helpers (step keys, snapshot copies, checksums):
+  run op by op under the switch's `jax.disable_jit()`, a save of a large state
+  takes many times longer, and none of them is code a user steps through.
+  """
+  if fn is None:
+    return functools.partial(compiled, **jit_kwargs)
+  jitted = jax.jit(fn, **jit_kwargs)
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    with jax.disable_jit(False):
+      return jitted(*args, **kwargs)
+
+  call.jitted = jitted  # For `lower`, and its compilation cache.
+  return call
 
 
 def debugger_fallback(f):

@@ -66,7 +66,7 @@ def bcast_local_devices(value: Any) -> Any:
   return put_per_device(jax.tree.map(broadcast, value))
 
 
-@jax.jit
+@debugging.compiled
 def _drop_leading_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
@@ -134,7 +134,7 @@ def _stacker(sharding: jax.sharding.Sharding):
     out_sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
   else:
     return None
-  return jax.jit(jnp.stack, out_shardings=out_sharding)
+  return debugging.compiled(jnp.stack, out_shardings=out_sharding)
 
 
 def first_copies_to_host(trees: list[Any]) -> list[Any]:
@@ -214,7 +214,7 @@ def get_first(xs: Any) -> Any:
   return jax.tree.unflatten(treedef, leaves)
 
 
-@jax.jit
+@debugging.compiled
 def _copy_on_device(arrays):
   return [jnp.copy(x) for x in arrays]
 

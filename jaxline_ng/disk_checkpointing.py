@@ -52,7 +52,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxline_ng import background, base_config, checkpointing, devices, multihost
+from jaxline_ng import background, base_config, checkpointing, debugging, devices, multihost
 from jaxline_ng import mesh as mesh_lib
 
 FORMAT = 2
@@ -371,7 +371,7 @@ def _words(x):
   return bits.astype(jnp.uint32)
 
 
-@jax.jit
+@debugging.compiled
 def _fingerprints(arrays):
   """Two position-weighted sums of each array's bits, mod 2**32: a checksum of
   the global value that does not depend on how it is sharded (integer sums

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxline_ng import devices
+from jaxline_ng import debugging, devices
 from jaxline_ng import mesh as mesh_lib
 
 
@@ -133,7 +133,7 @@ def _split_once(chain, mode: str, process: int):
   return step_keys, children[:, 1]
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "process", "num_steps"))
+@debugging.compiled(static_argnames=("mode", "process", "num_steps"))
 def _split_steps(chain, mode: str, process: int, num_steps: int):
   check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
 
@@ -164,7 +164,7 @@ def keys_compiled_meanwhile(train_key, mode: str) -> Iterator[None]:
 
   def compile_keys():
     try:
-      _split_steps.lower(replicate_key(train_key), mode=mode, process=jax.process_index(),
+      _split_steps.jitted.lower(replicate_key(train_key), mode=mode, process=jax.process_index(),
                          num_steps=STEPS_PER_DISPATCH).compile()
     except Exception:  # pylint: disable=broad-except  (the loop's call raises it)
       pass

@@ -5,6 +5,11 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+
+from jaxline_ng import debugging, devices, rng
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # An experiment with a pmap built at import time (as some published code does)
@@ -90,3 +95,23 @@ def test_without_the_flag_steps_are_compiled(tmp_path):
   assert result.returncode == 0, result.stderr
   pmap_lines = [line for line in result.stdout.splitlines() if line.startswith("PMAP_SEES")]
   assert len(pmap_lines) == 1 and "Tracer" in pmap_lines[0]
+
+
+def test_own_device_helpers_stay_compiled_under_disable_jit():
+  """The switch's `jax.disable_jit()` is for the experiment's code: run op by
+  op, the step keys, snapshot copies and checksums made saves far slower."""
+  traces = []
+
+  @debugging.compiled
+  def double(x):
+    traces.append(x)
+    return x * 2
+
+  rng._split_steps.jitted.clear_cache()  # pylint: disable=protected-access
+  with jax.disable_jit():
+    assert (double(jnp.ones(3)) == 2).all() and (double(jnp.ones(3)) == 2).all()
+    rng.StepKeys("unique_host_unique_device").next(rng.replicate_key(jax.random.PRNGKey(0)))
+    copies = devices.fresh_copies({"w": jnp.arange(4.0)})
+  assert len(traces) == 1  # Traced once, then compiled; eager would run the body each call.
+  assert rng._split_steps.jitted._cache_size() == 1  # pylint: disable=protected-access
+  assert (copies["w"] == jnp.arange(4.0)).all()

@@ -144,7 +144,7 @@ def test_step_counter_is_a_read_only_host_array_per_device():
 
 
 def test_the_step_keys_are_compiled_while_the_experiment_is_constructed(caplog):
-  rng._split_steps.clear_cache()  # pylint: disable=protected-access
+  rng._split_steps.jitted.clear_cache()  # pylint: disable=protected-access
   key = jax.random.PRNGKey(7)
   with rng.keys_compiled_meanwhile(key, "unique_host_unique_device"):
     pass  # The experiment's construction.
