@@ -539,10 +539,19 @@ def _some(names: list[str]) -> str:
 def _per_device_elsewhere(live_leaf: jax.Array, shape: tuple[int, ...],
                           meta: dict[str, Any]) -> bool:
   """Whether `live_leaf` holds a row per local device (pmap) and the saved
-  value one per device of another count: it cannot run on this topology."""
+  value one per device of another count: it cannot run on this topology.
+
+  A row per device is the pmap layout, or, on one device, a leading axis
+  as long as the device count here where the saved one was as long as the
+  saving run's (`jnp.zeros((jax.local_device_count(),))` in `__init__`).
+  """
   saved_devices = meta["topology"].get("local_device_count")
-  return (mesh_lib.active_mesh() is None and 0 in devices.split_axes(live_leaf)
-          and shape[:1] == (saved_devices,) and saved_devices != live_leaf.shape[0])
+  if (mesh_lib.active_mesh() is not None or shape[:1] != (saved_devices,)
+      or live_leaf.shape[:1] in ((), (saved_devices,))):
+    return False
+  return 0 in devices.split_axes(live_leaf) or (
+      live_leaf.shape[0] == _topology()["local_device_count"]
+      and live_leaf.shape[1:] == shape[1:])
 
 
 def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,

@@ -747,6 +747,36 @@ def test_a_per_device_value_saved_on_more_devices_is_refused(tmp_path, fewer):
     train.train(fewer, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
+class CountsPerDevice(Rich):
+  """Per-device values `__init__` makes on one device; a pmapped step would spread them."""
+  NON_BROADCAST_CHECKPOINT_ATTRS = {**Rich.NON_BROADCAST_CHECKPOINT_ATTRS, "_counts": "counts"}
+  DEVICES = None  # jax.local_device_count()
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._counts = jnp.zeros((self.DEVICES or jax.local_device_count(),))
+
+
+class CountsPerTwoDevices(CountsPerDevice):
+  DEVICES = 2
+
+
+def test_a_per_device_value_made_on_one_device_is_refused_on_fewer_devices(tmp_path,
+                                                                             monkeypatch):
+  """Before, the saved run's 4 rows were restored on 2 devices, and the step failed in a
+  traceback (a user trying topologies)."""
+  train_to(CountsPerDevice, tmp_path, 2)
+  topology = disk_checkpointing._topology()  # pylint: disable=protected-access
+  monkeypatch.setattr(disk_checkpointing, "_topology",  # A resume on 2 devices.
+                      lambda: dict(topology, local_device_count=2))
+  config = disk_config(tmp_path, 4)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"experiment_module/counts has shape \(4,\) but the experiment's "
+                           r"__init__ makes it \(2,\)"):
+    train.train(CountsPerTwoDevices, config,
+                disk_checkpointing.DiskCheckpointer(config, "train"), None)
+
+
 class ReducedPerDevice(PerDevice):
   """A per-device value that the first step reduces to one number."""
 
