@@ -23,7 +23,6 @@ scheduler's kill after its grace period ends the processes.
 
 import contextlib
 import os
-import select
 import signal
 import threading
 import time
@@ -44,8 +43,8 @@ _notice_through_jax = [False]
 # the stop request itself is consumed), so a second signal is recognised in
 # every phase. Cleared only by `stop_on_signals`.
 _signalled = threading.Event()
-# Signals that arrive this close together are read as one batch (`_watch_signals`).
-_AT_ONCE_SECS = 0.002
+# Signals arriving this soon after the one acted on are the same request (`_watch_signals`).
+_SAME_REQUEST_SECS = 0.5
 
 
 class Preempted(Exception):
@@ -115,23 +114,25 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
   writes the signal's number to the wake-up fd at once, on whichever thread
   the signal came, so this thread reads it and acts.
   """
+  # A signal sent twice at once is one request: coreutils' `timeout` signals
+  # its child and then its process group, and on a loaded machine the second
+  # arrives milliseconds later; acted on as another signal, it would exit
+  # without the final save. So are SIGTERM and SIGINT sent together (a
+  # scheduler's and a terminal's). A person, or a program that waits for the
+  # first to be acted on, sends a second one later.
+  same_request_until = -1.0
   while data := os.read(read_fd, 64):
-    # What arrives within `_AT_ONCE_SECS` is read with it: a signal delivered
-    # twice at once is one request (coreutils' `timeout` signals its child and
-    # then its process group, microseconds apart; acted on as another signal,
-    # the second would exit without the final save). A person, or a program
-    # that waits for the first to be acted on, sends a second one later.
-    while (select.select([read_fd], [], [], _AT_ONCE_SECS)[0]
-           and (more := os.read(read_fd, 64))):
-      data += more
     if forward_fd != -1:  # Whoever set the wake-up fd before still hears of every signal.
       with contextlib.suppress(OSError):
         os.write(forward_fd, data)
-    # One request per batch: SIGTERM and SIGINT sent together (a scheduler's
-    # and a terminal's) are not a second signal either.
     signum = next((signum for signum in data if signum in handled), None)
-    if signum is not None:
-      _act_on_signal(signum)
+    if signum is None:
+      continue
+    if time.monotonic() < same_request_until:
+      logging.info("[jaxline_ng] %s again at once: the same request.", signal.Signals(signum).name)
+      continue
+    same_request_until = time.monotonic() + _SAME_REQUEST_SECS
+    _act_on_signal(signum)
 
 
 # While `stop_on_signals` holds the handlers: (the handlers it replaced, the

@@ -54,3 +54,23 @@ def test_a_wait_longer_than_threads_allow_waits_for_the_stop():
   finally:
     stopper.join()
     preemption.consume_stop_request()
+
+
+def test_a_signal_repeated_soon_after_is_the_same_request_and_a_later_one_another(monkeypatch):
+  """`timeout`'s second SIGTERM (to its process group) came 7 ms after the first on a
+  loaded machine and exited the run without its final save (helper porting C3)."""
+  acted = []
+  monkeypatch.setattr(preemption, "_act_on_signal", acted.append)
+  read_fd, write_fd = os.pipe()
+  watcher = threading.Thread(target=preemption._watch_signals,  # pylint: disable=protected-access
+                             args=(read_fd, frozenset({signal.SIGTERM}), -1))
+  watcher.start()
+  os.write(write_fd, bytes([signal.SIGTERM]))
+  time.sleep(0.05)
+  os.write(write_fd, bytes([signal.SIGTERM]))
+  time.sleep(preemption._SAME_REQUEST_SECS + 0.5)  # pylint: disable=protected-access
+  os.write(write_fd, bytes([signal.SIGTERM]))  # A person's second: exit at once.
+  os.close(write_fd)
+  watcher.join(5)
+  os.close(read_fd)
+  assert acted == [signal.SIGTERM, signal.SIGTERM]
