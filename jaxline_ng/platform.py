@@ -365,7 +365,9 @@ def _unused_disk_steps(config, checkpointer) -> str | None:
 
 def _step_of(snapshot) -> Any:
   nest = getattr(snapshot, "pickle_nest", None)
-  return nest.get("global_step", "?") if isinstance(nest, Mapping) else "?"
+  # A ConfigDict, as saves make it, is no Mapping.
+  return (nest.get("global_step", "?") if isinstance(nest, (Mapping, ml_collections.ConfigDict))
+          else "?")
 
 
 def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:

@@ -11,6 +11,7 @@ import sys
 import threading
 from unittest import mock
 
+import ml_collections
 import pytest
 from absl import flags
 from absl.testing import flagsaver
@@ -325,14 +326,16 @@ def test_an_eval_job_follows_an_in_memory_subclass_that_finds_checkpoints_elsewh
   assert [row["step"] for row in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("nest_type", [dict, ml_collections.ConfigDict])
 def test_a_disk_run_says_it_does_not_restore_snapshots_seeded_in_memory(tmp_path, monkeypatch,
-                                                                        caplog):
+                                                                        caplog, nest_type):
   """deeprte resumes by putting a snapshot it saved itself in
   `utils.GLOBAL_CHECKPOINT_DICT` before `platform.main`; only the in-memory
-  checkpointer reads it, so a disk run starts from step 0 and must say so."""
+  checkpointer reads it, so a disk run starts from step 0 and must say so.
+  A save's `ConfigDict` nest gave its step as "?" (helper porting deeprte)."""
   sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
   import toy  # pylint: disable=import-outside-toplevel
-  seeded = utils.SnapshotNT(0, {"global_step": 30})
+  seeded = utils.SnapshotNT(0, nest_type({"global_step": 30}))
   monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT",
                       {"latest": utils.CheckpointNT(threading.local(), [seeded])})
   config = toy.get_config()
