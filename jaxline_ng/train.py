@@ -455,7 +455,7 @@ def train(experiment_class, config, checkpointer, writer,
     peer_checks.close()
   if preempted is not None:
     if checkpointing.in_memory_only(checkpointer):  # Exit 75 asks for a rerun.
-      logging.warning("[jaxline_ng] The checkpoints are in memory and end with this process: "
+      logging.warning("[jaxline_ng] The checkpoints are in memory: unless your code saves them, "
                       "a rerun starts afresh (--config.checkpointer=disk keeps them).")
     raise preempted
 

@@ -272,7 +272,7 @@ def test_wall_clock_budget_stops_saved_and_resume_continues(caplog):
     run(config, Slow)
   assert time.monotonic() - start < 10
   # Its exit code 75 asks for a rerun, which in another process would start afresh.
-  assert "The checkpoints are in memory and end with this process: a rerun starts afresh" \
+  assert "The checkpoints are in memory: unless your code saves them, a rerun starts afresh" \
       in caplog.text
   stopped_at = latest_step()
   assert 0 < stopped_at < 1000
