@@ -259,17 +259,20 @@ def test_sigterm_and_sigint_together_are_one_request_and_a_later_one_still_exits
 
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
 def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path, to_thread):
-  # Only the final save snapshots: periodic saves are off.
+  # Only the final save snapshots: periodic saves are off. The second signal
+  # comes a second after the first: sooner, it would be the same request.
   script = experiment_script(tmp_path, (
       "def snapshot_state(self):\n"
       f"  if {to_thread}:\n"
       "    sigterm_to_another_thread(1)\n"
+      "  time.sleep(1)\n"
+      "  print('saving now', file=sys.stderr, flush=True)\n"
       "  time.sleep(300)\n"
       "  return super().snapshot_state()\n"))
   code, stderr, secs = signal_after(
       toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000000",
           "--config.save_checkpoint_interval=1000000000", script=script),
-      ["step 10/"] if to_thread else ["step 10/", "final checkpoint starting"], timeout=120)
+      ["step 10/"] if to_thread else ["step 10/", "saving now"], timeout=120)
   assert code == 75, stderr[-3000:]
   assert secs < 60  # Not the final save's 300 s.
   assert "Second SIGTERM: exiting now with code 75" in stderr
