@@ -128,10 +128,11 @@ def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
     signum = next((signum for signum in data if signum in handled), None)
     if signum is None:
       continue
-    if time.monotonic() < same_request_until:
+    now = time.monotonic()
+    if now < same_request_until:
       logging.info("[jaxline_ng] %s again at once: the same request.", signal.Signals(signum).name)
       continue
-    same_request_until = time.monotonic() + _SAME_REQUEST_SECS
+    same_request_until = now + _SAME_REQUEST_SECS
     _act_on_signal(signum)
 
 

@@ -164,8 +164,9 @@ def keys_compiled_meanwhile(train_key, mode: str) -> Iterator[None]:
 
   def compile_keys():
     try:
-      _split_steps.jitted.lower(replicate_key(train_key), mode=mode, process=jax.process_index(),
-                         num_steps=STEPS_PER_DISPATCH).compile()
+      _split_steps.jitted.lower(replicate_key(train_key), mode=mode,
+                                process=jax.process_index(),
+                                num_steps=STEPS_PER_DISPATCH).compile()
     except Exception:  # pylint: disable=broad-except  (the loop's call raises it)
       pass
 
