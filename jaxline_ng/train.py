@@ -360,7 +360,8 @@ def train(experiment_class, config, checkpointer, writer,
   state.train_step_rng = experiment.initialize_train_step_rng(train_key)
   run_config = json.dumps(run_record.flat_config(config), sort_keys=True)
   keeps_our_entries = _keeps_our_entries(checkpointer, state)
-  if checkpointer.can_be_restored("latest"):
+  resumed = checkpointer.can_be_restored("latest")
+  if resumed:
     with experiment_lib.log_activity("checkpoint restore"):
       checkpointer.restore("latest")
     if keeps_our_entries:
@@ -407,7 +408,7 @@ def train(experiment_class, config, checkpointer, writer,
   # A tuple, as jaxline's: published train_loop overrides add theirs with `+ (action,)`.
   actions = (_FirstStepChecks(state.experiment_module if save_checkpoints else None),
              *periodic_actions, *own_actions)
-  if config.save_initial_train_checkpoint and save_checkpoints and state.global_step == 0:
+  if config.save_initial_train_checkpoint and save_checkpoints and not resumed:
     save_latest()
 
   # --- The loop, then the final step's logging and save. ---
@@ -676,7 +677,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   follow_chief = (multihost.is_multiprocess()
                   and "path" in inspect.signature(checkpointer.restore).parameters)
   if config.one_off_evaluate and not config.eval_initial_weights and \
-      checkpointer.restore_path("latest") is None:
+      not checkpointer.can_be_restored("latest"):
     # As jaxline: nothing will come to a one-off evaluation (a mistyped
     # checkpoint_dir, most likely), so it must not wait.
     raise base_config.ConfigError(
@@ -854,9 +855,12 @@ def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: boo
     if _stop_evaluating():
       return "stop", None
     path = checkpointer.restore_path("latest")
-    if path is not None and _checkpoint_version(path) != restored:
+    # As jaxline: a user's checkpointer may name a checkpoint before it can
+    # be restored (a file not yet written); it is waited for.
+    restorable = path is not None and checkpointer.can_be_restored("latest")
+    if restorable and _checkpoint_version(path) != restored:
       return "restore", path
-    if path is None and initial_weights_pending:
+    if not restorable and initial_weights_pending:
       return "initial", None
     if stop_waiting is not None and stop_waiting():
       return "done", None

@@ -372,6 +372,45 @@ def test_an_evaluator_follows_a_checkpointer_that_overwrites_one_file(tmp_path):
   assert [(step, w) for step, _, w in Scripted.calls] == [(4, 4.0), (10, 10.0)]
 
 
+class NamesItsFileAhead(OneFileCheckpointer):
+  """`restore_path` names the file before the first save writes it, as a
+  user's checkpointer may: only `can_be_restored` says it is there."""
+
+  def restore_path(self, ckpt_series):
+    return self.path
+
+
+def test_an_evaluator_waits_until_the_checkpoint_named_can_be_restored(tmp_path):
+  # jaxline polled until `can_be_restored("latest")`: restoring the named file
+  # at once raised FileNotFoundError in an evaluator started before its trainer.
+  Scripted.SCORES, Scripted.calls = {4: 0.1}, []
+  checkpointer = NamesItsFileAhead(tmp_path / "checkpoint.npy")
+  saves_to_come = [4]
+
+  def next_save_or_stop():
+    if not saves_to_come:
+      return True
+    checkpointer.publish(saves_to_come.pop())
+    return False
+
+  train.evaluate(Scripted, make_config(), checkpointer, None, jaxline_mode="eval",
+                 poll_interval_secs=0.01, stop_waiting=next_save_or_stop)
+  assert [(step, w) for step, _, w in Scripted.calls] == [(4, 4.0)]
+
+
+def test_a_one_off_evaluation_of_a_checkpoint_not_restorable_evaluates_initial_weights(tmp_path):
+  # As jaxline: `one_off_evaluate` restores only what `can_be_restored`, else
+  # evaluates the initial weights when asked to, else refuses.
+  Scripted.SCORES, Scripted.calls = {0: 0.1}, []
+  checkpointer = NamesItsFileAhead(tmp_path / "checkpoint.npy")
+  train.evaluate(Scripted, make_config(one_off_evaluate=True, eval_initial_weights=True),
+                 checkpointer, None, jaxline_mode="eval")
+  assert [(step, w) for step, _, w in Scripted.calls] == [(0, 0.0)]
+  with pytest.raises(base_config.ConfigError, match="has no checkpoint to evaluate"):
+    train.evaluate(Scripted, make_config(one_off_evaluate=True), checkpointer, None,
+                   jaxline_mode="eval")
+
+
 def test_an_eval_job_sets_an_earlier_runs_rows_aside_and_redoes_its_own(tmp_path):
   # An earlier run evaluated up to step 500; this one restarted afresh and has
   # a checkpoint at step 60: those rows are kept aside, not cut.

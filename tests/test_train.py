@@ -141,6 +141,18 @@ def test_initial_checkpoint_saved_when_asked():
   assert steps == [0, 2]
 
 
+def test_initial_checkpoint_not_saved_again_by_a_run_resuming_it():
+  # As jaxline: only when nothing can be restored.
+  config = make_config(training_steps=0, save_initial_train_checkpoint=True,
+                       max_checkpoints_to_keep=5)
+  run_counting(config)
+  config.training_steps = 2
+  run_counting(config)
+  steps = [s.pickle_nest["global_step"]
+           for s in utils.GLOBAL_CHECKPOINT_DICT["latest"].history]
+  assert steps == [0, 2]
+
+
 def test_resume_continues_step_count_and_rng_chain():
   config = make_config(training_steps=6)
   run_counting(config)
@@ -593,6 +605,9 @@ class RacingCheckpointer:
   def restore_path(self, ckpt_series):
     self._polls += 1
     return f"step_{self.POLLED_STEPS[self._polls - 1]}"
+
+  def can_be_restored(self, ckpt_series):
+    return True
 
   def restore(self, ckpt_series):
     self._state.global_step = self.RESTORED_STEPS[self._polls - 1]
