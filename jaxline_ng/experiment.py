@@ -38,9 +38,16 @@ class AbstractExperiment(abc.ABC):
   NON_BROADCAST_CHECKPOINT_ATTRS: Mapping[str, str] = {}
 
   def __init__(self, mode: str, init_rng: jax.Array | None = None):
-    """`init_rng` may be omitted by subclasses that call `super().__init__(mode=mode)`."""
-    self.mode = mode
-    self.init_rng = init_rng
+    """Sets nothing, as jaxline's: a subclass keeps what it needs.
+
+    A subclass may set `self.init_rng` before calling
+    `super().__init__(mode=mode)`, which would otherwise overwrite it.
+
+    Args:
+      mode: the `--jaxline_mode` the experiment runs in ("train", "eval", ...).
+      init_rng: the key to initialise the experiment with; subclasses may omit it.
+    """
+    del mode, init_rng
 
   @abc.abstractmethod
   def step(self, *, global_step: jax.Array, rng: jax.Array, writer) -> Scalars:

@@ -888,6 +888,10 @@ def test_an_eval_mode_that_holds_none_restores_it_as_jaxline_does(tmp_path):
 class EvalListsFewerAttributes(Rich):
   """kfac-jax's pattern: CHECKPOINT_ATTRS, a property, leaves the optimizer out in eval."""
 
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self.mode = mode  # As kfac-jax's: jaxline's base class keeps nothing.
+
   @property
   def CHECKPOINT_ATTRS(self):  # pylint: disable=invalid-name  (jaxline's name)
     attrs = dict(Rich.CHECKPOINT_ATTRS)
