@@ -32,7 +32,9 @@ _POST_MORTEM = flags.DEFINE_bool(
 
 
 def pmap_jit_disabled() -> bool:
-  return flags.FLAGS.is_parsed() and _DISABLE_PMAP_JIT.value
+  # The flag's own value, parsed or set by `flagsaver` in a test that never
+  # parses the command line (reading it through FLAGS would raise there).
+  return flags.FLAGS[_DISABLE_PMAP_JIT.name].value
 
 
 # Whether a body runs under the switch already (on any thread): chex's patch

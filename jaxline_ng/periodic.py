@@ -163,16 +163,17 @@ class PeriodicAction:
     return self._interval is not None and (
         self._prev_time is None or t - self._prev_time >= self._interval)
 
-  def __call__(self, t: float, step: int, scalars: Any) -> None:
+  def __call__(self, t: float, step: int, scalar_outputs: Any) -> None:
+    # `scalar_outputs`: jaxline's name, for callers that pass it by keyword.
     if self._run_async:
       # A failure on the background thread (scalars logging found unloggable)
       # stops the loop now, not at the next due step, an interval later.
       self._act_in_background.raise_if_failed()
-    self._last_seen = (t, step, scalars)
+    self._last_seen = (t, step, scalar_outputs)
     if self.log_all_data:
-      self._unlogged.append((step, scalars))
+      self._unlogged.append((step, scalar_outputs))
     if self._apply_condition(t, step):
-      self._act(t, step, scalars)
+      self._act(t, step, scalar_outputs)
     elif self.log_all_data and len(self._unlogged) > self._most_behind():
       # Rows kept for the next due step are handed over before it, with the
       # bound on how far behind they may fall: held back for a long interval

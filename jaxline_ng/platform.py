@@ -152,7 +152,7 @@ _EVAL_NAME = re.compile(r"eval_(?!\.)[\w.-]+")
 
 def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:
   """The checkpointer `config.checkpointer` names: "memory" or "disk"."""
-  if config.checkpointer == "disk":
+  if config.get("checkpointer") == "disk":  # A config of jaxline's keys alone has none.
     from jaxline_ng import disk_checkpointing  # Deferred: orbax is slow to import.
     return disk_checkpointing.DiskCheckpointer(config, mode)
   return checkpointing.InMemoryCheckpointer(config, mode)

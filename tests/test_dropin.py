@@ -599,3 +599,36 @@ def test_disable_pmap_jit_reaches_train_and_evaluate_called_directly(monkeypatch
   train.evaluate(PmapInInit, config, checkpointing.InMemoryCheckpointer(config, "eval"), None,
                  jaxline_mode="eval")
   assert PmapInInit.seen == ["BatchTracer"]
+
+
+def test_the_disable_pmap_jit_flag_set_by_flagsaver_counts_without_parsing():
+  # A test that calls `train.train` under `flagsaver` without parsing the
+  # command line: jaxline read the flag (and raised there); it was ignored.
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl.testing import flagsaver  # pylint: disable=import-outside-toplevel
+
+  from jaxline_ng import debugging  # pylint: disable=import-outside-toplevel
+  was_parsed = flags.FLAGS.is_parsed()
+  flags.FLAGS.unparse_flags()
+  try:
+    with flagsaver.flagsaver(jaxline_disable_pmap_jit=True):
+      assert debugging.pmap_jit_disabled()
+    assert not debugging.pmap_jit_disabled()
+  finally:
+    if was_parsed:
+      flags.FLAGS.mark_as_parsed()
+
+
+def test_a_periodic_action_takes_jaxlines_keyword_names():
+  seen = []
+  action = utils.PeriodicAction(lambda step, scalars: seen.append(step), interval_type="steps",
+                                interval=1, run_async=False)
+  action(t=0.0, step=1, scalar_outputs={"loss": 1.0})
+  assert seen == [1]
+
+
+def test_create_checkpointer_takes_a_config_of_jaxlines_keys_alone():
+  # utils_test of jaxline builds its checkpointer from such a config.
+  from jaxline_ng import platform  # pylint: disable=import-outside-toplevel
+  config = config_dict.ConfigDict({"max_checkpoints_to_keep": 5})
+  assert isinstance(platform.create_checkpointer(config, "train"), utils.InMemoryCheckpointer)
