@@ -47,6 +47,10 @@ _WARN_EACH = 10
 # process answers with its verdict.
 _SAVE_KEY = "save/{}"  # `multihost.run_key`s.
 _VERDICT_KEY = "verdict/{}/{}"
+# A failing process's verdict on the steps it completed: "<step> <verdict>".
+_LAST_VERDICT_KEY = "last_verdict/{}"
+# How long a failing process may take to leave its last verdict.
+_LAST_VERDICT_SECS = 5.0
 # How often a verdict waits to see whether the loop has run the step asked about.
 _VERDICT_POLL_SECS = 0.01
 
@@ -141,6 +145,11 @@ class NonFiniteGuard(periodic.EveryStepAction):
     with self._lock:
       steps = list(self._unchecked)
     return SealedCheck(self, steps, then)
+
+  @property
+  def newest_step(self) -> int:
+    """The step the loop completed last (`start_step` before the first)."""
+    return self._newest_step
 
   def verdict_through(self, step: int, give_up: Callable[[], bool]) -> str:
     """Checks every step up to `step` once the loop has run it: "ok", or why not.
@@ -291,12 +300,42 @@ class PeerChecks:
         verdict = multihost.key_value_wait(multihost.run_key(_VERDICT_KEY.format(index, process)),
             give_up=lambda: multihost.published_failure() is not None)
         if verdict is None:
-          verdict = multihost.published_failure().split(" ", 2)[2]
+          verdict = (self._last_verdict(process, step)
+                     or multihost.published_failure().split(" ", 2)[2])
         if verdict != "ok":
           logging.warning("[jaxline_ng] Not saving step %d: process %d: %s", step, process, verdict)
           raise PeerFailedError(f"process {process}: {verdict}")
 
     return agree
+
+  @staticmethod
+  def _last_verdict(process: int, step: int) -> str | None:
+    """`process`'s verdict on `step` left by `answer_before_failing`, if it covers it."""
+    left = multihost.key_value_try_get(multihost.run_key(_LAST_VERDICT_KEY.format(process)))
+    if left is None:
+      return None
+    through, verdict = left.split(" ", 1)
+    return verdict if int(through) >= step else None
+
+  def answer_before_failing(self) -> None:
+    """Leaves this process's verdict on the steps it completed, before it
+    publishes a failure: an exception at step 12 says nothing against step
+    10, whose save the chief may have announced a moment before."""
+    step = self._guard.newest_step
+
+    def leave():
+      try:
+        verdict = self._guard.verdict_through(step, give_up=lambda: True)
+        multihost.key_value_set(
+            multihost.run_key(_LAST_VERDICT_KEY.format(jax.process_index())), f"{step} {verdict}")
+      except Exception:  # pylint: disable=broad-except  (the failure itself is the news)
+        logging.exception("[jaxline_ng] Could not leave a verdict on step %d:", step)
+
+    # Bounded: reading the step's scalars waits for its collectives, which a
+    # peer that is gone too would never finish.
+    leaving = threading.Thread(target=leave, name="jaxline_ng_last_verdict", daemon=True)
+    leaving.start()
+    leaving.join(timeout=_LAST_VERDICT_SECS)
 
   def answer(self) -> None:
     """Starts answering the chief's saves with this process's verdicts (non-chief processes)."""

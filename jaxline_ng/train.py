@@ -435,6 +435,8 @@ def train(experiment_class, config, checkpointer, writer,
     # The rows of the steps run are written before the writer closes (one
     # closed under a queued write would raise a second, misleading error), and
     # saves made before the error still land (the guard vetoes any it covers).
+    if peer_checks is not None and not save_checkpoints and isinstance(error, Exception):
+      peer_checks.answer_before_failing()
     for action in own_actions:
       try:
         action.wait_to_finish()

@@ -179,6 +179,45 @@ def test_waiting_for_a_key_polls_and_never_lets_a_blocking_read_time_out(monkeyp
   assert multihost.key_value_wait("k", give_up=lambda: True) is None
 
 
+class DictStore:
+  """The distributed runtime's key-value store, in one process."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value):
+    if key in self.values:
+      raise RuntimeError(f"ALREADY_EXISTS: {key}")
+    self.values[key] = value
+
+  def key_value_try_get(self, key):
+    if key not in self.values:
+      raise RuntimeError(f"NOT_FOUND: {key}")
+    return self.values[key]
+
+
+def test_a_peers_exception_after_a_step_does_not_veto_the_chiefs_save_of_it(monkeypatch):
+  # Process 1 completed steps 1..11 (finite) and raised in step 12 before the
+  # chief's save worker announced step 10: step 10 is still saved, step 12 is not.
+  from jaxline_ng import guards  # pylint: disable=import-outside-toplevel
+  store = DictStore()
+  monkeypatch.setattr(multihost, "_key_value_store", lambda: store)
+  monkeypatch.setattr(multihost, "_ending", type(multihost._ending)())  # pylint: disable=protected-access
+  monkeypatch.setattr(guards.jax, "process_count", lambda: 2)
+  peer_guard = guards.NonFiniteGuard("halt")
+  for step in range(1, 12):
+    peer_guard(0.0, step, {"loss": np.float32(step)})
+  monkeypatch.setattr(guards.jax, "process_index", lambda: 1)
+  guards.PeerChecks(peer_guard).answer_before_failing()
+  multihost.publish_failure("RuntimeError: fails at step 12", 1)
+
+  monkeypatch.setattr(guards.jax, "process_index", lambda: 0)
+  chief = guards.PeerChecks(guards.NonFiniteGuard("halt"))
+  chief.before_save(10)()
+  with pytest.raises(guards.PeerFailedError, match="process 1: RuntimeError: fails at step 12"):
+    chief.before_save(12)()
+
+
 def test_single_process_helpers_are_identities():
   assert multihost.broadcast_from_chief({"a": 1}) == {"a": 1}
   assert multihost.all_reduce_sum({"n": 3})["n"] == 3
