@@ -442,30 +442,31 @@ def check_same_launch(launch: dict[str, Any]) -> None:
   would wait on each other until a runtime timeout with an error that names
   nothing.
   """
-  check_same_as_chief("was launched", launch,
+  check_same_as_chief("was launched", lambda: launch,
                       "every process of a run takes the same mode and config")
 
 
-def check_same_as_chief(what: str, facts: dict[str, Any], why: str) -> None:
-  """Raises MultihostError naming the keys where this process's `facts`
+def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str) -> None:
+  """Raises MultihostError naming the keys where this process's `facts()`
   (JSON-safe `{key: value}`) differ from process 0's: "process 1 {what}
   unlike process 0: ...; {why}".
 
-  Process 0 publishes its facts and goes on; each other process compares,
-  and gives up waiting when a failure is published (process 0's own is
-  then the news). Each `what` is checked once per run.
+  Process 0 publishes its facts and goes on; each other process takes its
+  own once process 0's are published (so they may be facts of what process
+  0 did first), compares, and gives up waiting when a failure is published
+  (process 0's own is then the news). Each `what` is checked once per run.
   """
   if not is_multiprocess():
     return
   key = run_key("as_chief/" + what.replace(" ", "_"))
-  published = json.dumps(facts, sort_keys=True)
   if is_chief():
-    key_value_set(key, published)
+    key_value_set(key, json.dumps(facts(), sort_keys=True))
     return
   chiefs = key_value_wait(key, give_up=lambda: published_failure() is not None)
   if chiefs is None:
     return
-  mine, chiefs = json.loads(published), json.loads(chiefs)  # Both as JSON reads them.
+  # Both as JSON reads them.
+  mine, chiefs = json.loads(json.dumps(facts(), sort_keys=True)), json.loads(chiefs)
   differing = [key for key in sorted(set(mine) | set(chiefs))
                if not run_record.same_value(mine.get(key), chiefs.get(key))]
   if differing:

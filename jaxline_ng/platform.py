@@ -325,7 +325,23 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
         raise base_config.ConfigError(
             f"config.checkpoint_dir={config.checkpoint_dir!r}: cannot write a lock file: "
             f"{e.strerror or e}") from None
+    if config.checkpointer == "disk":
+      _check_checkpoint_dir_is_shared(config.checkpoint_dir, mode)
     _run_locked(experiment_class, config, mode, checkpointer_factory)
+
+
+def _check_checkpoint_dir_is_shared(checkpoint_dir: str, mode: str) -> None:
+  """Raises MultihostError unless every process sees the lock the chief holds there
+  (read once the chief has published its own).
+
+  Every process restores disk checkpoints from `checkpoint_dir`, and in mesh
+  mode writes its shards there: on storage that is not shared, mesh saves
+  wait for each other until orbax's barrier times out minutes later.
+  """
+  multihost.check_same_as_chief(
+      "sees config.checkpoint_dir",
+      lambda: {"its lock": run_lock.holder(checkpoint_dir, run_lock.roles(mode)[0])},
+      f"config.checkpoint_dir={checkpoint_dir!r} must be one directory that every process shares")
 
 
 def _warn_of_unread_snapshots(checkpointer) -> None:

@@ -373,7 +373,7 @@ def train(experiment_class, config, checkpointer, writer,
   # Processes that see different checkpoints (a checkpoint_dir not shared)
   # would train together from different steps, and wait on each other's saves.
   multihost.check_same_as_chief(
-      "resumed", {"from step": int(state.global_step)},
+      "resumed", lambda: {"from step": int(state.global_step)},
       "every process must see the same checkpoints: give them one shared checkpoint_dir")
   if keeps_our_entries:
     state.run_config = run_config

@@ -218,6 +218,31 @@ def test_a_peers_exception_after_a_step_does_not_veto_the_chiefs_save_of_it(monk
     chief.before_save(12)()
 
 
+def test_a_checkpoint_dir_on_storage_not_shared_is_one_line_naming_it(monkeypatch, tmp_path):
+  # A cluster whose checkpoint_dir is each host's local disk: mesh saves hung
+  # in orbax's barrier for 5 minutes, ignoring SIGTERM.
+  from jaxline_ng import platform, run_lock  # pylint: disable=import-outside-toplevel
+  store = DictStore()
+  monkeypatch.setattr(multihost, "_key_value_store", lambda: store)
+  monkeypatch.setattr(multihost, "is_multiprocess", lambda: True)
+  monkeypatch.setattr(multihost, "_run_index", multihost._run_index)  # pylint: disable=protected-access
+  shared, local = str(tmp_path / "shared"), str(tmp_path / "local")
+  with run_lock.held(shared, "train"):
+    monkeypatch.setattr(multihost.jax, "process_index", lambda: 0)
+    platform._check_checkpoint_dir_is_shared(shared, "train")  # pylint: disable=protected-access
+    monkeypatch.setattr(multihost.jax, "process_index", lambda: 1)
+    platform._check_checkpoint_dir_is_shared(shared, "train")  # pylint: disable=protected-access
+    multihost.begin_run()  # The next run's keys.
+    monkeypatch.setattr(multihost.jax, "process_index", lambda: 0)
+    platform._check_checkpoint_dir_is_shared(shared, "train")  # pylint: disable=protected-access
+    monkeypatch.setattr(multihost.jax, "process_index", lambda: 1)
+    with pytest.raises(multihost.MultihostError, match=(
+        r"^process 1 sees config.checkpoint_dir unlike process 0: its lock=None \(process 0: "
+        r"'process \d+ on host .*\); config.checkpoint_dir='.*/local' must be one directory "
+        "that every process shares$")):
+      platform._check_checkpoint_dir_is_shared(local, "train")  # pylint: disable=protected-access
+
+
 def test_single_process_helpers_are_identities():
   assert multihost.broadcast_from_chief({"a": 1}) == {"a": 1}
   assert multihost.all_reduce_sum({"n": 3})["n"] == 3
