@@ -420,12 +420,23 @@ class JsonlWriter:
     self._lines.clear()
     self._buffered_bytes = 0
     with self._naming_the_file():
-      if os.fstat(self._file.fileno()).st_nlink == 0:
-        # Deleted under the run (its checkpoint_dir removed): rows written on
-        # would reach no file, and the run would end as if they had.
-        raise OSError(errno.ENOENT, "deleted while the run was writing it")
+      if not self._still_at_its_path():
+        # Deleted or moved under the run (its checkpoint_dir removed or
+        # renamed): rows written on would reach no file, or another one than
+        # the run's, whose checkpoints would go on under the old name.
+        raise OSError(errno.ENOENT, "moved or deleted while the run was writing it")
       self._file.write(data)
       self._file.flush()
+
+  def _still_at_its_path(self) -> bool:
+    """Whether the file open for appending is still the one at its path."""
+    opened = os.fstat(self._file.fileno())
+    try:
+      at_path = os.stat(self._path)
+    except FileNotFoundError:
+      return False
+    return opened.st_nlink > 0 and (opened.st_dev, opened.st_ino) == (at_path.st_dev,
+                                                                      at_path.st_ino)
 
   @contextlib.contextmanager
   def _naming_the_file(self):

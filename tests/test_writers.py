@@ -620,15 +620,23 @@ def test_a_start_from_step_0_sets_an_earlier_runs_rows_aside(tmp_path, caplog):
   assert "held 2 rows of an earlier run" in caplog.text and str(aside[0]) in caplog.text
 
 
-def test_a_metrics_file_deleted_under_the_run_is_one_line_naming_it(tmp_path):
-  path = tmp_path / "metrics.jsonl"
+@pytest.mark.parametrize("how", ["deleted", "renamed"])
+def test_a_metrics_file_moved_or_deleted_under_the_run_is_one_line_naming_it(tmp_path, how):
+  # A renamed checkpoint_dir went unnoticed: the run wrote rows under the new
+  # name and checkpoints under the old, and a second run took the old name.
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  path = run_dir / "metrics.jsonl"
   writer = writers.JsonlWriter(str(path))
   writer.write_scalars(1, {"loss": 0.5})
   writer.flush()
-  path.unlink()
+  if how == "deleted":
+    path.unlink()
+  else:
+    run_dir.rename(tmp_path / "run_renamed")
   writer.write_scalars(2, {"loss": 0.5})
   with pytest.raises(writers.MetricsWriteError,
-                     match=f"cannot write {path}: deleted while the run was writing it"):
+                     match=f"cannot write {path}: moved or deleted while the run was writing it"):
     writer.flush()
 
 
