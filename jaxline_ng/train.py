@@ -784,7 +784,16 @@ def evaluate(experiment_class, config, checkpointer, writer,
       best.update(state, values)
 
     # --- Done? ---
-    if config.one_off_evaluate or not experiment.should_run_step(state.global_step, config):
+    if config.one_off_evaluate:
+      break
+    if not experiment.should_run_step(state.global_step, config):
+      if (trains_on := _saved_training_steps(state)) is not None and experiment.should_run_step(
+          state.global_step, _with_training_steps(config, trains_on)):
+        # As jaxline, this job's config says when to stop, but the run goes on.
+        logging.warning("[jaxline_ng] Step %d ends this job's training_steps=%s; the run that "
+                        "saved it trains to %d (give the eval job --config.training_steps=%d to "
+                        "follow it).", state.global_step, config.training_steps, trains_on,
+                        trains_on)
       break
     finished_run_steps = None if stop_waiting else _finished_run_steps(experiment, config, state)
     polls_without_trainer = 0
@@ -806,15 +815,26 @@ def _finished_run_steps(experiment, config, state) -> int | None:
   """The `training_steps` of the run that saved the restored checkpoint, if
   they differ from this job's and the run ended at it (by the experiment's
   `should_run_step`)."""
+  saved = _saved_training_steps(state)
+  if saved is None or saved == config.training_steps:
+    return None
+  return None if experiment.should_run_step(state.global_step,
+                                            _with_training_steps(config, saved)) else saved
+
+
+def _saved_training_steps(state) -> int | None:
+  """The `training_steps` in the config jaxline_ng's checkpoints keep, or None."""
   try:
     saved = json.loads(getattr(state, "run_config", None) or "{}").get("training_steps")
   except (TypeError, ValueError):  # Not ours: a checkpointer of the user's.
     return None
-  if not isinstance(saved, int) or saved == config.training_steps:
-    return None
-  trainer_config = config.copy_and_resolve_references()
-  trainer_config.training_steps = saved
-  return None if experiment.should_run_step(state.global_step, trainer_config) else saved
+  return saved if isinstance(saved, int) else None
+
+
+def _with_training_steps(config, training_steps: int):
+  config = config.copy_and_resolve_references()
+  config.training_steps = training_steps
+  return config
 
 
 def flush_if_possible(writer) -> None:

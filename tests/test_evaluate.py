@@ -242,6 +242,21 @@ def test_an_eval_job_stops_at_the_step_its_finished_training_run_ended_at(tmp_pa
   assert [step for step, _, _ in Scripted.calls] == [4]
 
 
+def test_an_eval_job_stopping_at_its_own_training_steps_says_the_run_goes_on(tmp_path, caplog):
+  # As jaxline it stops there, but it stopped in silence while training went on.
+  Scripted.SCORES, Scripted.calls = {4: 0.5}, []
+  trainer_config = make_config(training_steps=4, checkpoint_dir=str(tmp_path))
+  checkpointer = checkpointing.InMemoryCheckpointer(trainer_config, "train")
+  train.train(Scripted, trainer_config, checkpointer, None)
+  nest = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest
+  nest["run_config"] = json.dumps(dict(json.loads(nest["run_config"]), training_steps=60))
+  eval_config = make_config(training_steps=3, checkpoint_dir=str(tmp_path))
+  assert not _evaluate_or_stop_after(eval_config, checkpointer, 30)
+  assert [step for step, _, _ in Scripted.calls] == [4]
+  assert ("Step 4 ends this job's training_steps=3; the run that saved it trains to 60 (give "
+          "the eval job --config.training_steps=60 to follow it)") in caplog.text
+
+
 def test_an_eval_job_waits_for_a_trainer_that_takes_the_lock_soon_after(tmp_path, monkeypatch,
                                                                           caplog):
   """A relaunch extending the finished run was submitted with the eval job
