@@ -367,6 +367,12 @@ def train(experiment_class, config, checkpointer, writer,
     if keeps_our_entries:
       _check_resumed_config(getattr(state, "run_config", None), run_config,
                             config.strict_resume_config)
+    if not experiment.should_run_step(state.global_step, config):
+      # A rerun of a finished run, or one given fewer training_steps: it would
+      # end at once, looking like a run that trained.
+      logging.warning("[jaxline_ng] Restored step %d, where this run's training ends "
+                      "(training_steps=%s): no step to train.", state.global_step,
+                      config.training_steps)
   # After the restore, which builds the entries a fresh experiment leaves to `step`.
   logging.info("[jaxline_ng] Checkpointed state: %s",
                experiment_lib.describe_state(state.experiment_module))
@@ -624,8 +630,8 @@ def _check_best_metric(config, scalars: Mapping[str, Any]) -> None:
   name = config.best_model_eval_metric
   if name and name not in scalars:
     raise base_config.ConfigError(
-        f"config.best_model_eval_metric={name!r} is not among the scalars "
-        f"evaluate returned: {sorted(scalars)}")
+        f"config.best_model_eval_metric={name!r} is not among the scalars evaluate returned: "
+        f"{sorted(scalars) if scalars else 'none (None or an empty dict)'}")
 
 
 @debugging.disable_pmap_jit  # As jaxline's: for callers other than platform.main.

@@ -361,6 +361,21 @@ def test_a_resumed_run_describes_the_state_it_restored(caplog):
   assert "not built yet" not in caplog.text
 
 
+def test_a_run_resumed_where_its_training_ends_says_there_is_no_step_to_train(caplog):
+  config = make_config(training_steps=4)
+  run_counting(config)
+  config.training_steps = 2  # Lowered below the step saved: nothing to do.
+  run_counting(config)
+  assert Counting.seen == []
+  assert ("Restored step 4, where this run's training ends (training_steps=2): no step to "
+          "train.") in caplog.text
+
+
+def test_a_best_metric_evaluate_never_returns_names_what_it_returned():
+  with pytest.raises(base_config.ConfigError, match=r"returned: none \(None or an empty dict\)$"):
+    train._check_best_metric(make_config(best_model_eval_metric="accuracy"), {})  # pylint: disable=protected-access
+
+
 class OneDeviceInAttrs(Counting):
   """Rows that look per-device, never placed on the devices: saving the first
   device's copy would keep one row of four."""
