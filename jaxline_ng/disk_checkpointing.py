@@ -651,6 +651,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
   targets: dict[str, Any] = {}
   restore_args: dict[str, Any] = {}
   expected = []  # (tree path, saved description)
+  other_dtypes = []  # Arrays restored with another dtype than the live one.
   for name, entry in entries.items():
     if not wanted(name):
       continue
@@ -681,6 +682,10 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
             f"{'/'.join(tree_path)} has shape {shape} but the experiment's __init__ makes it "
             f"{tuple(live_leaf.shape)}"
             + (f" (saved by {saved_by}, now {now})" if saved_by != now else ""))
+      live_dtype = getattr(live_leaf, "dtype", None)
+      if live_dtype is not None and not jax.dtypes.issubdtype(live_dtype, jax.dtypes.extended) \
+          and np.dtype(live_dtype) != dtype:
+        other_dtypes.append(f"{'/'.join(tree_path)} {dtype} (__init__ makes {live_dtype})")
       if isinstance(live_leaf, jax.Array) and not devices.holds_shape(
           live_leaf, shape, pmap_layout=pmap_mode):
         live_leaf = None
@@ -697,6 +702,12 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
       node_t[tree_path[-1]], node_a[tree_path[-1]] = target, arg
       expected.append((tree_path, shape, dtype, saved["fingerprint"]))
 
+  if other_dtypes:
+    # Not refused: a dtype may drift as the state trains. But a model changed
+    # to another precision would go on in the old one without a word.
+    logging.warning("[jaxline_ng] Restored %d arrays in the dtype they were saved in: %s%s.",
+                    len(other_dtypes), "; ".join(other_dtypes[:3]),
+                    " and more" if len(other_dtypes) > 3 else "")
   restored: dict[str, Any] = {}
   if targets:
     try:

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -596,6 +597,29 @@ def test_checkpoint_of_another_experiment_shape_is_refused_naming_it(tmp_path, t
                            r"it \(2, 5\)") as e:
     train.train(Wider, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
   assert str(e.value).count("params") == 1, e.value  # The entry is named once.
+
+
+class HalfPrecision(Rich):
+  """Rich with its weights made bfloat16."""
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    params = {"w": jnp.zeros((2, 3), jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+    self._params = utils.bcast_local_devices(params)
+    self._opt_state = utils.bcast_local_devices(self._opt.init(params))
+
+
+def test_arrays_resumed_in_another_dtype_than_init_makes_are_named(tmp_path, caplog):
+  # Restored as saved (a dtype may drift as state trains), but a model changed
+  # to bfloat16 went on in float32 without a word.
+  run(disk_config(tmp_path, 2))
+  config = disk_config(tmp_path, 2)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(HalfPrecision, config, checkpointer, None)
+  assert re.search(r"Restored 6 arrays in the dtype they were saved in: experiment_module/\S+ "
+                   r"float32 \(__init__ makes bfloat16\);", caplog.text), caplog.text
+  restored = checkpointer.get_experiment_state("latest").experiment_module
+  assert utils.get_first(restored._params)["w"].dtype == jnp.float32  # pylint: disable=protected-access
 
 
 class Wider(Rich):
