@@ -1,5 +1,6 @@
 """Feeding batches to the devices ahead of the step that needs them."""
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -10,6 +11,22 @@ import jax
 from jaxline_ng import devices
 
 _END = object()
+# How long the interpreter's exit waits for a producer to stop.
+_STOP_AT_EXIT_SECS = 10.0
+# The stop events and threads of producers still running.
+_producers: set[tuple[threading.Event, threading.Thread]] = set()
+
+
+@atexit.register
+def _stop_producers() -> None:
+  # A daemon thread still inside native code (a jaxlib pytree function) when
+  # the interpreter finalises is unwound by `pthread_exit`, which nanobind's
+  # catch-all swallows: the process aborts (exit 134) instead of exiting with
+  # its own code. A producer stops between items, so this waits for one item.
+  for stop, _ in list(_producers):
+    stop.set()
+  for _, thread in list(_producers):
+    thread.join(timeout=_STOP_AT_EXIT_SECS)
 
 
 def py_prefetch(iterable_function: Callable[[], Iterable[Any]], buffer_size: int = 5, *,
@@ -44,7 +61,11 @@ def py_prefetch(iterable_function: Callable[[], Iterable[Any]], buffer_size: int
     except BaseException as e:  # pylint: disable=broad-except  (re-raised by the consumer)
       buffer.put(e)
 
-  threading.Thread(target=produce, name=thread_name or "py_prefetch", daemon=True).start()
+  producer = (stop, threading.Thread(target=produce, name=thread_name or "py_prefetch",
+                                     daemon=True))
+  running = _producers  # Held here: a generator closed as the interpreter ends outlives globals.
+  running.add(producer)
+  producer[1].start()
   try:
     while True:
       item = buffer.get()
@@ -55,6 +76,7 @@ def py_prefetch(iterable_function: Callable[[], Iterable[Any]], buffer_size: int
       yield item
   finally:
     stop.set()
+    running.discard(producer)
 
 
 def double_buffer(ds: Iterable[Any]) -> Iterator[Any]:

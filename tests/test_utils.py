@@ -68,6 +68,32 @@ def test_py_prefetch_counts_the_element_in_use_as_jaxline_does():
     next(utils.py_prefetch(numbers, buffer_size=1))
 
 
+PRODUCER_IN_JAXLIB_AT_EXIT = """
+import jax
+from jaxline_ng import utils
+
+def batches():  # Each item is made inside jaxlib's native pytree code.
+  leaves = list(range(2000))
+  while True:
+    yield jax.tree.map(lambda x: x + 1, leaves)
+
+it = utils.py_prefetch(batches, buffer_size=10**6)
+next(it)
+raise RuntimeError("the step fails while the producer runs")
+"""
+
+
+def test_a_run_failing_while_its_producer_runs_exits_with_its_own_code():
+  # The producer, a daemon thread inside jaxlib as the interpreter ended,
+  # aborted the process (exit 134, "FATAL: exception not rethrown") in 3 runs of 4.
+  for _ in range(2):
+    result = subprocess.run([sys.executable, "-c", PRODUCER_IN_JAXLIB_AT_EXIT],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.rstrip().endswith(
+        "RuntimeError: the step fails while the producer runs"), result.stderr[-2000:]
+
+
 def test_double_buffer_on_gpu_hands_back_the_dataset_itself_elsewhere():
   batches = [1, 2]
   assert utils.double_buffer_on_gpu(batches) is batches
