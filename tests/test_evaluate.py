@@ -371,10 +371,17 @@ class OneFileCheckpointer:
 def test_an_evaluator_follows_a_checkpointer_that_overwrites_one_file(tmp_path):
   """Comparing paths alone, the evaluator took each save for the one it had
   evaluated: an eval job beside tapnet's training waited forever."""
-  Scripted.SCORES, Scripted.calls = {4: 0.1, 10: 0.2}, []
+  Scripted.SCORES = {4: 0.1, 10: 0.2}
   checkpointer = OneFileCheckpointer(tmp_path / "checkpoint.npy")
   checkpointer.publish(4)
-  saves_to_come = [10]
+  assert evaluated_while_publishing(checkpointer, [10]) == [(4, 4.0), (10, 10.0)]
+
+
+def evaluated_while_publishing(checkpointer, saves):
+  """Evaluates, publishing the next of `saves` whenever the evaluator waits,
+  then stopping; returns the (step, weight) pairs evaluated."""
+  Scripted.calls = []
+  saves_to_come = list(reversed(saves))
 
   def next_save_or_stop():  # Called while the evaluator waits for a new checkpoint.
     if not saves_to_come:
@@ -384,7 +391,7 @@ def test_an_evaluator_follows_a_checkpointer_that_overwrites_one_file(tmp_path):
 
   train.evaluate(Scripted, make_config(), checkpointer, None, jaxline_mode="eval",
                  poll_interval_secs=0.01, stop_waiting=next_save_or_stop)
-  assert [(step, w) for step, _, w in Scripted.calls] == [(4, 4.0), (10, 10.0)]
+  return [(step, w) for step, _, w in Scripted.calls]
 
 
 class NamesItsFileAhead(OneFileCheckpointer):
@@ -398,19 +405,9 @@ class NamesItsFileAhead(OneFileCheckpointer):
 def test_an_evaluator_waits_until_the_checkpoint_named_can_be_restored(tmp_path):
   # jaxline polled until `can_be_restored("latest")`: restoring the named file
   # at once raised FileNotFoundError in an evaluator started before its trainer.
-  Scripted.SCORES, Scripted.calls = {4: 0.1}, []
+  Scripted.SCORES = {4: 0.1}
   checkpointer = NamesItsFileAhead(tmp_path / "checkpoint.npy")
-  saves_to_come = [4]
-
-  def next_save_or_stop():
-    if not saves_to_come:
-      return True
-    checkpointer.publish(saves_to_come.pop())
-    return False
-
-  train.evaluate(Scripted, make_config(), checkpointer, None, jaxline_mode="eval",
-                 poll_interval_secs=0.01, stop_waiting=next_save_or_stop)
-  assert [(step, w) for step, _, w in Scripted.calls] == [(4, 4.0)]
+  assert evaluated_while_publishing(checkpointer, [4]) == [(4, 4.0)]
 
 
 def test_a_one_off_evaluation_of_a_checkpoint_not_restorable_evaluates_initial_weights(tmp_path):
