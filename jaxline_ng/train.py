@@ -723,7 +723,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # --- Wait for something to evaluate. ---
     def next_checkpoint():
       return _next_checkpoint(checkpointer, restored, initial_weights_pending,
-                              training_is_over, poll_interval_secs)
+                              training_is_over, poll_interval_secs, config.one_off_evaluate)
     action, path = _agreed(decision, next_checkpoint) if follow_chief else next_checkpoint()
     if action == "stop":
       asked_to_stop = True
@@ -868,7 +868,7 @@ def _checkpoint_version(path: Any) -> tuple:
 
 
 def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: bool, stop_waiting,
-                     poll_interval_secs: float) -> tuple[str, str | None]:
+                     poll_interval_secs: float, one_off: bool = False) -> tuple[str, str | None]:
   """Waits for the evaluator's next action: `(action, checkpoint path or None)`.
 
   `restored` is the `_checkpoint_version` of the checkpoint evaluated last.
@@ -883,12 +883,13 @@ def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: boo
     if _stop_evaluating():
       return "stop", None
     path = checkpointer.restore_path("latest")
-    # As jaxline: a user's checkpointer may name a checkpoint before it can
-    # be restored (a file not yet written); it is waited for.
-    restorable = path is not None and checkpointer.can_be_restored("latest")
-    if restorable and _checkpoint_version(path) != restored:
+    # As jaxline: a one-off evaluation restores whatever can be restored; a
+    # continuous one each new checkpoint `restore_path` names, once it can be
+    # (a user's checkpointer may name a file before writing it).
+    restorable = (one_off or path is not None) and checkpointer.can_be_restored("latest")
+    if restorable and (one_off or _checkpoint_version(path) != restored):
       return "restore", path
-    if not restorable and initial_weights_pending:
+    if initial_weights_pending and (one_off or path is None):
       return "initial", None
     if stop_waiting is not None and stop_waiting():
       return "done", None
@@ -897,12 +898,13 @@ def _next_checkpoint(checkpointer, restored: tuple, initial_weights_pending: boo
                    restored[0] if restored[0] is not None else "none")
       logged_wait = True
     waited = time.monotonic() - started
-    if path is None and waited >= (reminders + 1) * _NO_CHECKPOINT_REMINDER_SECS:
+    if not restorable and waited >= (reminders + 1) * _NO_CHECKPOINT_REMINDER_SECS:
       # An evaluator started before its trainer is normal; one given a
       # mistyped checkpoint_dir would otherwise wait in silence forever.
       reminders += 1
-      logging.warning("[jaxline_ng] Still no checkpoint after %.0f min: is a training run "
-                      "saving to this config.checkpoint_dir?", waited / 60)
+      logging.warning("[jaxline_ng] Still no checkpoint to restore after %.0f min (restore "
+                      "path: %s): is a training run saving to this config.checkpoint_dir?",
+                      waited / 60, path)
     _wait_for_stop(poll_interval_secs)
 
 

@@ -333,7 +333,8 @@ def test_an_eval_job_waiting_long_for_a_first_checkpoint_says_so(monkeypatch, ca
   action, _ = train._next_checkpoint(  # pylint: disable=protected-access
       Empty(), (None,), False, lambda: next(polls, None) is None, poll_interval_secs=0.01)
   assert action == "done"
-  assert "Still no checkpoint after 0 min: is a training run saving to this " \
+  assert "Still no checkpoint to restore after 0 min (restore path: None): is a training run " \
+      "saving to this " \
       "config.checkpoint_dir?" in caplog.text
 
 
@@ -408,6 +409,28 @@ def test_an_evaluator_waits_until_the_checkpoint_named_can_be_restored(tmp_path)
   Scripted.SCORES = {4: 0.1}
   checkpointer = NamesItsFileAhead(tmp_path / "checkpoint.npy")
   assert evaluated_while_publishing(checkpointer, [4]) == [(4, 4.0)]
+
+
+class NamesNoFile(OneFileCheckpointer):
+  """`restore_path` names nothing though the checkpoint can be restored."""
+
+  def restore_path(self, ckpt_series):
+    return None
+
+
+@pytest.mark.parametrize("eval_initial_weights", [False, True])
+def test_a_one_off_evaluation_restores_what_can_be_restored_whatever_its_path(
+    tmp_path, eval_initial_weights):
+  # As jaxline, which asked `can_be_restored` alone: it waited forever, or
+  # evaluated the initial weights instead of the checkpoint.
+  Scripted.SCORES, Scripted.calls = {4: 0.1}, []
+  checkpointer = NamesNoFile(tmp_path / "checkpoint.npy")
+  checkpointer.publish(4)
+  train.evaluate(Scripted, make_config(one_off_evaluate=True,
+                                       eval_initial_weights=eval_initial_weights),
+                 checkpointer, None, jaxline_mode="eval", poll_interval_secs=0.01,
+                 stop_waiting=lambda: True)
+  assert [(step, w) for step, _, w in Scripted.calls] == [(4, 4.0)]
 
 
 def test_a_one_off_evaluation_of_a_checkpoint_not_restorable_evaluates_initial_weights(tmp_path):
