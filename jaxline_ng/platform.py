@@ -521,7 +521,10 @@ def main(experiment_class, argv: Sequence[str],
     multihost.check_same_launch({
         "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
         "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
-        **{f"config.{key}": value for key, value in run_record.flat_config(config).items()}})
+        # Hosts may mount one checkpoint_dir at different paths: whether theirs
+        # is one directory is checked by its lock (`_check_checkpoint_dir_is_shared`).
+        **{f"config.{key}": value for key, value in run_record.flat_config(config).items()
+           if key != "checkpoint_dir"}})
     check_tpu_flags()
     enable_compilation_cache(config)
     _warn_if_eval_dir_differs(config)

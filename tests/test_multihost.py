@@ -260,6 +260,27 @@ def test_processes_launched_with_different_configs_stop_at_once_naming_the_key(t
   assert not os.path.exists(tmp_path / "checkpoints" / "latest")  # Nothing trained.
 
 
+def test_processes_may_reach_one_checkpoint_dir_by_different_paths_but_not_two_dirs(tmp_path):
+  # Hosts mounting the shared storage at different paths were refused as
+  # launched unlike each other; two directories are refused by the lock check.
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  os.symlink(shared, tmp_path / "link")
+  command = " ".join(toy("$DIR", "--config.training_steps=4"))
+  result = launch(["sh", "-c", f"DIR={tmp_path}/$([ $JAX_PROCESS_ID = 0 ] && echo shared || "
+                               f"echo link); exec {command}"], timeout=120)
+  assert result.returncode == 0, result.stdout[-4000:]
+  assert os.listdir(shared / "checkpoints" / "latest") == ["4"]
+
+  result = launch(["sh", "-c", f"DIR={tmp_path}/$([ $JAX_PROCESS_ID = 0 ] && echo shared || "
+                               f"echo other); exec {command}"], timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  assert ("[p1] jaxline_ng: error: process 1 sees config.checkpoint_dir unlike process 0: its "
+          "lock=None") in result.stdout, result.stdout[-4000:]
+  assert f"config.checkpoint_dir='{tmp_path}/other' must be one directory that every process " \
+      "shares" in result.stdout, result.stdout[-4000:]
+
+
 def test_mesh_saves_timed_in_seconds_are_refused_at_once_naming_the_key(tmp_path):
   # Every process writes its shards of a mesh-mode save, so each must save the
   # same step; each one's own clock would pick another, and the collective abort.
