@@ -1121,7 +1121,9 @@ class DiskCheckpointer:
     live = devices.raw_keys(checkpointing.snapshotted_items(state))
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = _live_layout(state.experiment_module)
-    # The experiment's own mode: an evaluator may share the trainer's checkpointer.
+    # The experiment's own mode where it keeps one (kfac-jax's does, and
+    # checkpoints fewer attributes in eval): an evaluator may share the
+    # trainer's checkpointer. Else this checkpointer's mode.
     training = getattr(getattr(state, "experiment_module", None), "mode", self._mode) == "train"
     failures = []
     for position, candidate in enumerate(candidates):
