@@ -265,11 +265,18 @@ def test_an_eval_job_waits_for_a_trainer_that_takes_the_lock_soon_after(tmp_path
   trainer_config = make_config(training_steps=4, checkpoint_dir=str(tmp_path))
   checkpointer = checkpointing.InMemoryCheckpointer(trainer_config, "train")
   train.train(Scripted, trainer_config, checkpointer, None)
-  holders = iter([None, "process 7 on host h"])
-  monkeypatch.setattr(run_lock, "holder", lambda *_: next(holders, "process 7 on host h"))
+  polls = []
+
+  def holder(*_):  # None at the first poll, then the relaunched trainer.
+    polls.append(None)
+    if len(polls) == 3:  # Waited for it: done (a timer raced a slow first evaluation).
+      preemption.request_stop("the test")
+    return None if len(polls) == 1 else "process 7 on host h"
+
+  monkeypatch.setattr(run_lock, "holder", holder)
   eval_config = make_config(training_steps=10, checkpoint_dir=str(tmp_path))
   caplog.set_level("INFO")
-  assert _evaluate_or_stop_after(eval_config, checkpointer, 1)
+  assert _evaluate_or_stop_after(eval_config, checkpointer, 60)
   assert "but process 7 on host h holds its train lock" in caplog.text
 
 
