@@ -396,7 +396,7 @@ class SnapshotOverride(experiment.AbstractExperiment):
 
 def test_an_overridden_snapshot_state_is_not_called_empty(caplog):
   config = make_config(training_steps=6, save_checkpoint_interval=1)
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):
     train.train(SnapshotOverride, config, utils.InMemoryCheckpointer(config, "train"), None)
   assert utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest.experiment_module.total == 6
   assert "declares no CHECKPOINT_ATTRS" not in caplog.text

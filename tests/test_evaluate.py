@@ -275,7 +275,7 @@ def test_an_eval_job_waits_for_a_trainer_that_takes_the_lock_soon_after(tmp_path
 
   monkeypatch.setattr(run_lock, "holder", holder)
   eval_config = make_config(training_steps=10, checkpoint_dir=str(tmp_path))
-  caplog.set_level("INFO")
+  caplog.set_level("INFO", logger="absl")  # Another test may have set absl's own level.
   assert _evaluate_or_stop_after(eval_config, checkpointer, 60)
   assert "but process 7 on host h holds its train lock" in caplog.text
 

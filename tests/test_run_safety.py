@@ -317,7 +317,7 @@ def test_a_profile_window_the_run_never_reaches_is_reported(tmp_path, caplog):
 def test_a_resumed_profile_window_reports_the_steps_it_traced(tmp_path, caplog):
   """A run resumed at step 20 inside the window (5, 25) traces steps 20 to 24, not 5 to 24;
   one resumed at its last step trains none."""
-  caplog.set_level("INFO")
+  caplog.set_level("INFO", logger="absl")  # Another test may have set absl's own level.
   window = profiling.ProfileWindow(5, 25, str(tmp_path / "a"), steps_completed=20)
   window(0.0, 25, {})
   assert "Profile of steps 20 to 24 written" in caplog.text

@@ -354,7 +354,7 @@ def test_a_resumed_run_describes_the_state_it_restored(caplog):
   config = make_config(training_steps=2)
   checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
   train.train(BuiltInStep, config, checkpointer, None)
-  caplog.set_level("INFO")
+  caplog.set_level("INFO", logger="absl")  # Another test may have set absl's own level.
   config.training_steps = 3
   train.train(BuiltInStep, config, checkpointer, None)
   assert "Checkpointed state: count: 1 values, 4 bytes; later: 1 values, 4 bytes" in caplog.text
@@ -504,7 +504,7 @@ class EndsInShouldRunStep(Counting):
 def test_progress_shows_a_total_only_where_training_steps_ends_the_run(
     experiment_class, training_steps, progress, eta, caplog):
   config = make_config(training_steps=training_steps, log_tensors_interval=1)
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):
     train.train(experiment_class, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
   last = [line for line in caplog.messages if line.startswith("[jaxline_ng] step ")][-1]
   assert last.startswith(f"[jaxline_ng] {progress}") and ("ETA" in last) == eta, last
@@ -512,7 +512,7 @@ def test_progress_shows_a_total_only_where_training_steps_ends_the_run(
 
 def test_the_first_progress_line_gives_no_eta_from_a_rate_that_includes_compiling(caplog):
   config = make_config(training_steps=5, log_tensors_interval=1)
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):
     train.train(Counting, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
   lines = [line for line in caplog.messages if line.startswith("[jaxline_ng] step ")]
   assert "steps/s" in lines[0] and "ETA" not in lines[0], lines[0]

@@ -188,7 +188,7 @@ def test_log_activity_is_also_a_decorator(caplog):
       raise ValueError("negative")
     return n + 1
 
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):
     assert count(1) == 2
     with pytest.raises(ValueError, match="negative"):
       count(-1)
