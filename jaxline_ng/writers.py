@@ -429,14 +429,14 @@ class JsonlWriter:
       self._file.flush()
 
   def _still_at_its_path(self) -> bool:
-    """Whether the file open for appending is still the one at its path."""
+    """Whether the file open for appending is still the one at its path (a
+    deleted one is not: its inode, held open, cannot be another file's)."""
     opened = os.fstat(self._file.fileno())
     try:
       at_path = os.stat(self._path)
     except FileNotFoundError:
       return False
-    return opened.st_nlink > 0 and (opened.st_dev, opened.st_ino) == (at_path.st_dev,
-                                                                      at_path.st_ino)
+    return (opened.st_dev, opened.st_ino) == (at_path.st_dev, at_path.st_ino)
 
   @contextlib.contextmanager
   def _naming_the_file(self):
