@@ -48,8 +48,9 @@ def main() -> int:
   args = parser.parse_args()
   rng = random.Random(args.seed)
   workdir = tempfile.mkdtemp(prefix="jaxline_ng_kill_")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  xla_flags = os.environ.get("XLA_FLAGS", "")  # Kept: the test suite compiles faster.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count=4")
   command = [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={workdir}",
              "--config.checkpointer=disk", "--config.training_steps=100000000",
              "--config.save_checkpoint_interval=1", "--config.log_train_data_interval=1000000000",

@@ -14,10 +14,19 @@ import os
 import shutil
 import tempfile
 
+# The runs a test launches inherit these; one that needs another device count
+# appends its own --xla_force_host_platform_device_count (the last one counts).
+# The tests run each program they compile for a few steps: XLA's backend
+# optimisation and newer CPU emitters would be a sixth of the suite's CPU.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    + " --xla_force_host_platform_device_count=4"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# NumPy's BLAS threads would spin up in each of the hundreds of processes the
+# suite starts, for linear algebra no test does.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Made once, by the process xdist's workers inherit it from (never a cache of the user's).
 _made_cache = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-           JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
 def run_module(module, *args, timeout=180):
@@ -49,7 +48,7 @@ def test_checkpoint_io_smoke(tmp_path):
 
 
 def test_two_process_benchmark_smoke():
-  result = run_module("benchmarks.two_process", "--runs=1", "--steps=400", "--window=200",
+  result = run_module("benchmarks.two_process", "--runs=1", "--steps=100", "--window=50",
                       timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr[-3000:]
   assert "median steps/s over 1 windows:" in result.stdout

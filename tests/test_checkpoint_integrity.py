@@ -9,8 +9,7 @@ from jaxline_ng import disk_checkpointing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-           JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
 def toy(checkpoint_dir, *extra, timeout=120):

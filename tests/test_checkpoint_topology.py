@@ -18,7 +18,7 @@ from jaxline_ng import disk_checkpointing, mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+ENV = dict(os.environ, PYTHONPATH=ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
 import toy  # noqa: E402  (found through the sys.path entry above)
 from test_mesh import Recorder  # noqa: E402  (the same loss recorder)
@@ -31,7 +31,7 @@ def toy_args(checkpoint_dir, steps, *extra):
 
 
 def on_devices(command, devices):
-  env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = dict(ENV, XLA_FLAGS=f"{ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}")
   return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 

@@ -20,8 +20,7 @@ TOY = os.path.join("tests", "experiments", "toy.py")
 # for caching a program (1 s): cache every one, so the test sees them.
 # Without the suite's shared cache (conftest.py), which would take precedence.
 ENV = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
-ENV.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-           PYTHONPATH=ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+ENV.update(PYTHONPATH=ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def toy(checkpoint_dir, *extra, env=ENV):

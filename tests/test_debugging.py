@@ -60,8 +60,8 @@ def run(tmp_path, *flags_):
   tmp_path.mkdir(parents=True, exist_ok=True)
   script = tmp_path / "debug_exp.py"
   script.write_text(SCRIPT)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env = dict(os.environ, PYTHONPATH=ROOT,
+             XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2")
   return subprocess.run(
       [sys.executable, str(script), f"--config={script}",
        f"--config.checkpoint_dir={tmp_path}", *flags_],

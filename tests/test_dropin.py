@@ -256,8 +256,7 @@ def test_a_failing_constructor_exits_1_with_its_error_last(tmp_path):
       if __name__ == "__main__":
         app.run(functools.partial(platform.main, Broken))
       """).replace("RUN_DIR", repr(str(tmp_path / "run"))))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env = dict(os.environ, PYTHONPATH=ROOT)
   for mode in ("train", "train_eval_multithreaded"):
     result = subprocess.run([sys.executable, str(script), f"--config={script}",
                              f"--jaxline_mode={mode}"], env=env, capture_output=True, text=True,

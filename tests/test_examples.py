@@ -60,9 +60,7 @@ class Run:
     self.steps = steps
     self.checkpoint_dir = checkpoint_dir or tmp_dir / "checkpoints"
     self.log_path = tmp_dir / "log.txt"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                    p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     command = [sys.executable, script, f"--config={script}{config_arg}",
                f"--jaxline_mode={mode}", f"--config.checkpoint_dir={self.checkpoint_dir}",

@@ -131,8 +131,7 @@ def test_helpers_place_and_replicate(tmp_path):
 
 
 def test_disable_pmap_jit_in_mesh_mode(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env = dict(os.environ, PYTHONPATH=ROOT)
   toy_path = os.path.join("tests", "experiments", "toy.py")
   result = subprocess.run(
       [sys.executable, toy_path, f"--config={toy_path}", f"--config.checkpoint_dir={tmp_path}",

@@ -18,7 +18,7 @@ from jaxline_ng import launch as launch_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
 def toy(checkpoint_dir, *extra):
@@ -33,7 +33,7 @@ def launch(command, timeout=180, env=ENV):
 
 
 def single_process(command, devices=4):
-  env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = dict(ENV, XLA_FLAGS=f"{ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}")
   return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=180, check=True)
 
@@ -429,8 +429,8 @@ def test_processes_that_see_different_checkpoints_stop_at_once_naming_the_dir(tm
 
 def test_processes_with_different_device_counts_stop_at_once_naming_them(tmp_path):
   command = " ".join(toy(tmp_path))
-  result = launch(["sh", "-c", "XLA_FLAGS=--xla_force_host_platform_device_count="
-                   f"$((2 + 2 * JAX_PROCESS_ID)) exec {command}"], timeout=120)
+  result = launch(["sh", "-c", "XLA_FLAGS=\"$XLA_FLAGS --xla_force_host_platform_device_count="
+                   f"$((2 + 2 * JAX_PROCESS_ID))\" exec {command}"], timeout=120)
   assert result.returncode == 1, result.stdout[-4000:]
   assert ("[p1] jaxline_ng: error: process 1 was launched unlike process 0: local devices=4 "
           "(process 0: 2)") in result.stdout, result.stdout[-4000:]

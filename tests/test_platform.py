@@ -23,8 +23,7 @@ TOY = os.path.join("tests", "experiments", "toy.py")
 
 
 def run(*args, script=TOY, timeout=120, unset=()):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env = dict(os.environ, PYTHONPATH=ROOT)
   for name in unset:
     env.pop(name, None)
   return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
@@ -182,8 +181,7 @@ def test_flagsaver_then_main_with_empty_argv(tmp_path, monkeypatch):
 
 def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
   """The last step's scalars reach disk and the process exits with EXIT_PREEMPTED."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env = dict(os.environ, PYTHONPATH=ROOT)
   process = subprocess.Popen(
       [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
        "--config.training_steps=1000000", "--config.log_train_data_interval=1000"],
@@ -287,7 +285,7 @@ def test_main_without_app_run_takes_config_overrides_from_its_argv(tmp_path):
           "finally:\n"
           "  print('training_steps', flags.FLAGS.config.training_steps)\n")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                          timeout=120)
   assert "training_steps 7" in result.stdout, result.stderr[-2000:]
   assert "--jaxline_mode='bogus'" in result.stderr
 

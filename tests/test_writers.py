@@ -26,7 +26,7 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
   """Runs `code` in a fresh interpreter that can import jaxline_ng."""
-  env = dict(os.environ, PYTHONPATH=_REPO_ROOT, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, PYTHONPATH=_REPO_ROOT)
   result = subprocess.run(
       [sys.executable, "-c", textwrap.dedent(code), *args],
       env=env,
