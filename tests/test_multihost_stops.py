@@ -13,7 +13,9 @@ placements. Each run has a timeout.
 
 import fcntl
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,24 +119,31 @@ def latest(checkpoint_dir) -> tuple[int, np.ndarray]:
   return step, np.asarray(nest["experiment_module"]["params"])
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, worker_id):
-  """The final parameters of a 2-process run of all the steps, never stopped.
+def shared_run(tmp_path_factory, worker_id, name: str, *extra) -> pathlib.Path:
+  """The directory of a 2-process toy run that several tests read, made once.
 
-  Under pytest-xdist the workers share one such run (in the session's
-  directory, which they have in common) instead of each making its own: it
-  is the longest part of this module, and the suite has 5 minutes.
+  Under pytest-xdist the workers share it (in the session's directory, which
+  they have in common) instead of each making its own: each such run costs
+  seconds of the suite's 5 minutes.
   """
   shared = worker_id != "master"
-  root = tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.mktemp("ref")
-  run_dir = root / "uninterrupted"
-  with open(root / "uninterrupted.lock", "w") as lock:
+  root = tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.getbasetemp()
+  run_dir = root / name
+  with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
-    if not (root / "uninterrupted.done").exists():
-      # Saves only at the end: the parameters do not depend on when it saves.
-      launch = run(toy(run_dir, "--config.save_checkpoint_interval=1000"))
+    if not (root / f"{name}.done").exists():
+      launch = run(toy(run_dir, *extra))
       assert launch.process.returncode == 0, launch.output
-      (root / "uninterrupted.done").touch()
+      (root / f"{name}.done").touch()
+  return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, worker_id):
+  """The final parameters of a 2-process run of all the steps, never stopped."""
+  # Saves only at the end: the parameters do not depend on when it saves.
+  run_dir = shared_run(tmp_path_factory, worker_id, "uninterrupted",
+                       "--config.save_checkpoint_interval=1000")
   step, params = latest(run_dir)
   assert step == STEPS
   return params
@@ -179,9 +188,9 @@ def test_a_signal_to_some_processes_stops_all_after_one_agreed_step(
     if i:
       time.sleep(0.5)
     os.kill(pids[index], signum)
-  # Resumed after a stop of the chief and of another process.
+  # Resumed once, after the stop of a process other than the chief, which saves.
   _stop_then_resume_exactly(tmp_path, uninterrupted, launch,
-                            resume=signalled in ([0], [1]) and signum == signal.SIGTERM)
+                            resume=signalled == [1] and signum == signal.SIGTERM)
 
 
 @pytest.mark.parametrize("index", [0, 1])
@@ -273,15 +282,21 @@ MESH = ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:4",
         "--config.random_mode_train=same_host_same_device")
 
 
-def test_sigterm_to_one_process_of_a_mesh_eval_job_stops_every_process(tmp_path):
-  # Parameters sharded over both processes: each restores its shards of the
-  # checkpoint the chief chose, together.
-  trained = run(toy(tmp_path, "--config.training_steps=20", *MESH))
-  assert trained.process.returncode == 0, trained.output
+@pytest.fixture
+def mesh_trained(tmp_path, tmp_path_factory, worker_id):
+  """`tmp_path` holding a copy of a 20-step mesh run, parameters sharded over both processes."""
+  trained = shared_run(tmp_path_factory, worker_id, "mesh_trained",
+                       "--config.training_steps=20", *MESH)
+  shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+  return tmp_path
+
+
+def test_sigterm_to_one_process_of_a_mesh_eval_job_stops_every_process(mesh_trained):
+  # Each process restores its shards of the checkpoint the chief chose, together.
   # The eval job waits for step 1000's checkpoint while a training run holds
   # the directory (as one extending the run would).
-  with run_lock.held(str(tmp_path), "train"):
-    launch = Launch(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=1000",
+  with run_lock.held(str(mesh_trained), "train"):
+    launch = Launch(toy(mesh_trained, "--jaxline_mode=eval", "--config.training_steps=1000",
                         "--config.eval_poll_interval_secs=0.2", *MESH))
     pids = [launch.pid(0), launch.pid(1)]
     for index in range(2):
@@ -292,16 +307,15 @@ def test_sigterm_to_one_process_of_a_mesh_eval_job_stops_every_process(tmp_path)
   assert launch.exit_codes() == [75, 75], launch.output
 
 
-def test_a_mesh_eval_job_goes_on_together_when_a_process_loses_a_race_with_rotation(tmp_path):
+def test_a_mesh_eval_job_goes_on_together_when_a_process_loses_a_race_with_rotation(
+    mesh_trained):
   # Process 1 finds the chief's choice rotated out just before reading it;
   # process 0 reads its shards or not. Both go on to the newer checkpoint
   # instead of one waiting for the other in a barrier or collective.
-  trained = run(toy(tmp_path, "--config.training_steps=20", *MESH))
-  assert trained.process.returncode == 0, trained.output
   # Step 20 is saved "later", while process 1 loses the race for step 10.
-  os.makedirs(tmp_path / "saved_later")
-  os.rename(tmp_path / "checkpoints" / "latest" / "20", tmp_path / "saved_later" / "20")
-  launch = run(toy(tmp_path, "--jaxline_mode=eval", "--config.training_steps=20", *MESH,
+  os.makedirs(mesh_trained / "saved_later")
+  os.rename(mesh_trained / "checkpoints" / "latest" / "20", mesh_trained / "saved_later" / "20")
+  launch = run(toy(mesh_trained, "--jaxline_mode=eval", "--config.training_steps=20", *MESH,
                    script=os.path.join("tests", "experiments", "toy_loses_a_race.py")))
   assert launch.exit_codes() == [0, 0], launch.output
   launch.wait_for(r"^\[p1\] .*Not evaluated: .*going on")
