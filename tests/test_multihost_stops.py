@@ -30,10 +30,10 @@ from jaxline_ng import disk_checkpointing, run_lock
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
 ENV = dict(os.environ, PYTHONPATH=ROOT)
-STEPS = 300
-# Paces the interrupted runs: 300 steps take 3 s or more, so a signal sent
+STEPS = 100
+# Paces the interrupted runs: 100 steps take 3 s or more, so a signal sent
 # after step 30 (or a second one 0.5 s later) lands mid-run.
-PACED = "--config.experiment_kwargs.config.step_sleep_secs=0.01"
+PACED = "--config.experiment_kwargs.config.step_sleep_secs=0.03"
 TIMEOUT_SECS = 150
 
 
