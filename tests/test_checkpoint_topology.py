@@ -7,6 +7,7 @@ meshes, each resuming the checkpoint the previous run wrote.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -93,16 +94,21 @@ MESH_ARGS = ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:4",
 def test_mesh_params_sharded_over_two_processes_save_resume_and_match(tmp_path):
   straight = launch(toy_args(tmp_path / "straight", 30, *MESH_ARGS))
   assert straight.returncode == 0, straight.stdout[-4000:]
-  first = launch(toy_args(tmp_path / "resumed", 20, *MESH_ARGS))
-  assert first.returncode == 0, first.stdout[-4000:]
-  # Both processes wrote their own shards of the one checkpoint.
-  state_dir = tmp_path / "resumed" / "checkpoints" / "latest" / "20" / "state"
+  # Both processes wrote their own shards of each checkpoint.
+  state_dir = tmp_path / "straight" / "checkpoints" / "latest" / "20" / "state"
   assert {"process_0", "process_1"} <= set(os.listdir(state_dir / "array_metadatas"))
+  # The same run as if stopped before saving step 30 (a launch fewer than
+  # running it to step 20 again): the rerun resumes from step 20.
+  shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "latest" / "30")
   second = launch(toy_args(tmp_path / "resumed", 30, *MESH_ARGS))
   assert second.returncode == 0, second.stdout[-4000:]
   restored = [line for line in second.stdout.splitlines() if "Restored checkpoint" in line]
   assert sorted(line.split()[0] for line in restored) == ["[p0]", "[p1]"]
+  assert all("/checkpoints/latest/20" in line for line in restored), restored
   assert logged_losses(tmp_path / "resumed") == logged_losses(tmp_path / "straight")
+  with open(tmp_path / "resumed" / "train" / "metrics.jsonl") as f:
+    assert [json.loads(line)["step"] for line in f] == list(range(1, 31))  # None twice.
   _, want = disk_checkpointing.read(str(tmp_path / "straight"))
   _, got = disk_checkpointing.read(str(tmp_path / "resumed"))
   np.testing.assert_array_equal(got["experiment_module"]["params"],

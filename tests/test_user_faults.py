@@ -398,9 +398,10 @@ def test_evaluate_returning_an_unloggable_scalar_writes_the_row_and_names_the_ke
 def test_second_run_on_the_same_checkpoint_dir_is_refused_naming_the_first(tmp_path):
   first = subprocess.Popen(
       toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
-          "--config.training_steps=1000000", "--config.save_checkpoint_interval=5",
-          # Paced: it only has to outlive the runs below, which need the CPU.
-          "--config.experiment_kwargs.config.step_sleep_secs=0.01"),
+          "--config.training_steps=1000000", "--config.save_checkpoint_interval=10",
+          # Paced, saving every half second: it only has to have saved and to
+          # outlive the runs below, which need the CPU (a disk save is CPU-bound).
+          "--config.experiment_kwargs.config.step_sleep_secs=0.05"),
       cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
     for line in first.stderr:
