@@ -5,8 +5,8 @@ The meaning is jaxline's: the platform constructs the experiment as
 training step and `evaluate` once per checkpoint, both with the keyword
 arguments `global_step`, `rng` and `writer`. `global_step` and `rng` carry a
 leading axis of size `jax.local_device_count()`, ready to pass to a pmap; in
-training, `global_step` is a host NumPy array (so `global_step[0]` is free, as
-it was in jaxline), `rng` a device array.
+training, `global_step` is a host NumPy array (so `global_step[0]` is free;
+jaxline 0.0.8's was a device array), `rng` a device array.
 
 State listed in `CHECKPOINT_ATTRS` (`{attribute: checkpoint name}`) is
 pmap-replicated: one copy is checkpointed and it is restored replicated.
@@ -87,8 +87,8 @@ class AbstractExperiment(abc.ABC):
     """Runs training steps until `should_run_step` says stop.
 
     Each step calls `step` with those of these keyword arguments it declares:
-      - `global_step`: the steps completed before this one, as a read-only
-        host `int32[local devices]` (pmap) or a host `int32` (mesh mode);
+      - `global_step`: the steps completed before this one, as a new host
+        `int32[local devices]` (pmap) or a host `int32` (mesh mode);
       - `rng`: the step's key, raw `uint32[local devices, 2]` with one row on
         each device (pmap) or one replicated `uint32[2]` (mesh mode);
       - `writer`: the run's writer, or None where this process writes nothing.

@@ -268,13 +268,15 @@ def eval_keys(random_seed: int, mode: str):
 
 
 def step_counter(global_step: int):
-  """`global_step` as a step receives it: a read-only host `int32[local devices]`
-  (pmap; `global_step[0]` is free, as in jaxline) or an `int32` scalar (mesh mode)."""
+  """`global_step` as a step receives it: a host `int32[local devices]` (pmap;
+  `global_step[0]` is free) or an `int32` scalar (mesh mode).
+
+  A new array each step, so a step may change it in place (`global_step += 1`
+  rebound jaxline 0.0.8's device array) without changing the loop's count.
+  """
   if mesh_lib.active_mesh() is not None:
     return np.int32(global_step)
-  steps = np.array((global_step,) * _local_device_count(), np.int32)
-  steps.flags.writeable = False
-  return steps
+  return np.array((global_step,) * _local_device_count(), np.int32)
 
 
 # Asked for by every step: JAX's own count is slower than building the counter.

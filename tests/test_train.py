@@ -86,12 +86,31 @@ def test_step_sees_per_device_global_step_and_raw_keys(steps):
   for expected_step, (global_step, key) in enumerate(Counting.seen):
     # A host array, as jaxline's first step had: reading it never gathers.
     assert isinstance(global_step, np.ndarray) and global_step.dtype == np.int32
-    assert not global_step.flags.writeable
     np.testing.assert_array_equal(global_step, np.full(num_devices, expected_step))
     assert key.shape == (num_devices, 2) and key.dtype == np.uint32
   keys = np.stack([key for _, key in Counting.seen])
   # unique_host_unique_device: no key repeats across steps or devices.
   assert len({tuple(k) for k in keys.reshape(-1, 2)}) == steps * num_devices
+
+
+class StepsAhead(Counting):
+  """Changes its `global_step` in place, as code written for jaxline 0.0.8 may
+  (`+=` rebound its device array)."""
+  incremented = []
+
+  def step(self, global_step, rng, writer):
+    global_step += 1
+    StepsAhead.incremented.append(int(global_step[0]))
+    return super().step(global_step=global_step, rng=rng, writer=writer)
+
+
+def test_a_step_may_change_its_global_step_without_changing_the_loops_count():
+  config = make_config(training_steps=3)
+  StepsAhead.incremented = []
+  checkpointer = checkpointing.InMemoryCheckpointer(config, "train")
+  train.train(StepsAhead, config, checkpointer, None)
+  assert StepsAhead.incremented == [1, 2, 3]
+  assert checkpointer.get_experiment_state("latest").global_step == 3
 
 
 def test_step_keys_are_same_across_devices_in_same_device_mode():
