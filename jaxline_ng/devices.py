@@ -197,11 +197,15 @@ def get_first(xs: Any) -> Any:
   # their devices differently (a jit takes arrays of one device set).
   by_device: dict[Any, list[tuple[int, jax.Array]]] = {}
   for i, leaf in enumerate(leaves):
+    if np.ndim(leaf) == 0:
+      # Mesh mode's global_step is a scalar (a NumPy one): code written for
+      # pmap that reads it so would fail on "invalid index to scalar variable".
+      kind = getattr(leaf, "dtype", type(leaf).__name__)
+      raise ValueError(
+          f"get_first: a 0-d {kind} value has no device axis to take the first of (in mesh "
+          "mode global_step and global arrays have none: use the value itself, or run code "
+          "written for pmap with config.placement='pmap')")
     if isinstance(leaf, jax.Array):
-      if leaf.ndim == 0:
-        raise ValueError(
-            f"get_first: a 0-d {leaf.dtype} array has no device axis to take the first of "
-            "(in mesh mode global arrays have none: use the value itself)")
       shard = _first_shard(leaf)
       by_device.setdefault(frozenset(shard.sharding.device_set), []).append((i, shard))
   for group in by_device.values():

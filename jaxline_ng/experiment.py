@@ -136,7 +136,7 @@ class AbstractExperiment(abc.ABC):
       snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()}))
       for attr, name in non_broadcast_attrs.items():
         snapshot[name] = devices.fresh_copies(getattr(self, attr))
-    except (AttributeError, TypeError, IndexError):
+    except (AttributeError, TypeError, IndexError, ValueError):
       problem = checkpoint_attrs_problem(self)  # Looked for only now: saves are frequent.
       if problem:
         raise CheckpointAttrsError(problem) from None

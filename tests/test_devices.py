@@ -35,10 +35,13 @@ def test_get_first_on_numpy_indexes_like_jaxline():
   assert utils.get_first(np.array([5, 6])) == 5
 
 
-def test_get_first_of_a_0d_array_names_the_missing_device_axis():
-  # What a step ported to mesh mode hits with `utils.get_first(loss)`.
-  with pytest.raises(ValueError, match="get_first: a 0-d float32 array has no device axis"):
-    utils.get_first({"loss": jnp.float32(0.5)})
+@pytest.mark.parametrize("value, dtype", [
+    (jnp.float32(0.5), "float32"),  # A step ported to mesh mode: `utils.get_first(loss)`.
+    (np.int32(3), "int32"),  # Code written for pmap run in mesh mode: `get_first(global_step)`.
+])
+def test_get_first_of_a_0d_value_names_the_missing_device_axis(value, dtype):
+  with pytest.raises(ValueError, match=f"get_first: a 0-d {dtype} value has no device axis"):
+    utils.get_first({"x": value})
 
 
 def test_replicated_state_feeds_pmap_without_recompiling():
