@@ -460,13 +460,13 @@ def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str
     return
   key = run_key("as_chief/" + what.replace(" ", "_"))
   if is_chief():
-    key_value_set(key, json.dumps(facts(), sort_keys=True))
+    key_value_set(key, json.dumps(facts()))
     return
   chiefs = key_value_wait(key, give_up=lambda: published_failure() is not None)
   if chiefs is None:
     return
-  # Both as JSON reads them.
-  mine, chiefs = json.loads(json.dumps(facts(), sort_keys=True)), json.loads(chiefs)
+  # Both as JSON reads them (tuples as lists), compared key by key.
+  mine, chiefs = json.loads(json.dumps(facts())), json.loads(chiefs)
   differing = [key for key in sorted(set(mine) | set(chiefs))
                if not run_record.same_value(mine.get(key), chiefs.get(key))]
   if differing:
