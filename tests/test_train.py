@@ -430,6 +430,27 @@ def test_checkpoint_attrs_of_equal_rows_on_one_device_are_saved():
   np.testing.assert_array_equal(saved["stats"], np.arange(3.0))
 
 
+class PerDeviceStatsInAttrs(Counting):
+  """State that differs per device, laid out as a pmap output (BatchNorm
+  statistics a published ResNet does not average over devices)."""
+  CHECKPOINT_ATTRS = {"_count": "count", "_stats": "stats"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._stats = utils.bcast_local_devices(jnp.zeros(3))
+    self._stats = jax.pmap(lambda x: x + jax.lax.axis_index("i"), axis_name="i")(self._stats)
+
+
+def test_checkpoint_attrs_laid_out_per_device_save_the_first_devices_row_unread():
+  # jaxline saved `get_first` of such state without a look; reading every
+  # row of every save to compare them would wait for the devices.
+  config = make_config(training_steps=2)
+  train.train(PerDeviceStatsInAttrs, config, checkpointing.InMemoryCheckpointer(config, "train"),
+              None)
+  saved = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest["experiment_module"]
+  np.testing.assert_array_equal(saved["stats"], np.zeros(3))
+
+
 @pytest.mark.parametrize("experiment_class, shape", [
     (OneDeviceInAttrs, "(4, 3)"), (OtherLeadingAxisInAttrs, "(5, 3)")])
 def test_checkpoint_attrs_not_one_copy_per_device_stop_the_run_after_its_first_step(
