@@ -972,6 +972,9 @@ class DiskCheckpointer:
     self._managers: dict[str, ocp.CheckpointManager] = {}
     self._lock = threading.Lock()
     self._saves = background.Worker("disk_checkpointer")
+    # Newer checkpoints the last `restore` tried and could not load: an eval
+    # job stops waiting for them once no training run can replace them.
+    self.unloadable_newer: list[str] = []
     for ckpt_series in self._writes:  # Now, not at the first save, minutes of training later.
       _check_writable(self._series_dir(ckpt_series))
 
@@ -1155,6 +1158,7 @@ class DiskCheckpointer:
                           "own checkpoint %s.", self._restore_path, candidate)
       if not fresh_run:
         self._move_aside([p for p, _ in failures], ckpt_series)
+      self.unloadable_newer = [p for p, _ in failures]
       checkpointing.restore_snapshot(state, nest)
       logging.info("[jaxline_ng] Restored checkpoint %s.", candidate)
       return

@@ -696,6 +696,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   initial_weights_pending = config.eval_initial_weights
   asked_to_stop = False
   finished_run_steps = None  # The training_steps of the finished run evaluated last.
+  unloadable = []  # Newer checkpoints than the one evaluated last, which did not load.
   polls_without_trainer = 0
 
   def training_is_over():
@@ -707,11 +708,11 @@ def evaluate(experiment_class, config, checkpointer, writer,
     nonlocal polls_without_trainer
     if stop_waiting is not None:
       return stop_waiting()
-    if finished_run_steps is None:
+    if finished_run_steps is None and not unloadable:
       return False
     trainer = run_lock.holder(config.checkpoint_dir, "train")
     if trainer is not None:
-      if polls_without_trainer >= 0:
+      if polls_without_trainer >= 0 and finished_run_steps is not None:
         logging.info("[jaxline_ng] Step %d ended the training run that saved it, but %s holds "
                      "its train lock: waiting for its checkpoints.", evaluated_step, trainer)
       polls_without_trainer = -1  # Said once.
@@ -729,6 +730,11 @@ def evaluate(experiment_class, config, checkpointer, writer,
       asked_to_stop = True
       break
     if action == "done":
+      if unloadable:
+        raise base_config.ConfigError(
+            f"checkpoint {unloadable[0]} could not be loaded (step {evaluated_step} was evaluated "
+            f"instead) and no training run holds {config.checkpoint_dir} to save past it: resume "
+            "the training run, then evaluate again")
       if finished_run_steps is not None:
         logging.warning("[jaxline_ng] Step %d ended the training run that saved it (its "
                         "training_steps=%d, this job's %s): no newer checkpoint will come.",
@@ -746,6 +752,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
         except checkpointing.CheckpointSuperseded as e:
           logging.warning("[jaxline_ng] Not evaluated: %s; going on to the newer one.", e)
           superseded = True
+      unloadable = [] if superseded else list(getattr(checkpointer, "unloadable_newer", ()))
       step_here = None if superseded else state.global_step
       if follow_chief and not _restored_by_all(decision, step_here):
         if not superseded:

@@ -19,13 +19,17 @@ def toy(checkpoint_dir, *extra, timeout=120):
       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def test_truncated_final_checkpoint_is_redone_and_the_eval_job_reaches_the_end(tmp_path):
-  assert toy(tmp_path).returncode == 0
-  series = tmp_path / "checkpoints" / "latest"
-  for dirpath, _, names in os.walk(series / "20"):
+def truncate_every_file(step_dir):
+  for dirpath, _, names in os.walk(step_dir):
     for name in names:
       with open(os.path.join(dirpath, name), "r+b") as f:
         f.truncate(min(3, os.path.getsize(f.name)))
+
+
+def test_truncated_final_checkpoint_is_redone_and_the_eval_job_reaches_the_end(tmp_path):
+  assert toy(tmp_path).returncode == 0
+  series = tmp_path / "checkpoints" / "latest"
+  truncate_every_file(series / "20")
 
   rerun = toy(tmp_path)
   assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -40,3 +44,20 @@ def test_truncated_final_checkpoint_is_redone_and_the_eval_job_reaches_the_end(t
   assert evaluator.returncode == 0, evaluator.stderr[-3000:]
   with open(tmp_path / "eval" / "metrics.jsonl") as f:
     assert json.loads(f.readlines()[-1])["step"] == 20
+
+
+def test_an_eval_job_ends_naming_a_damaged_final_checkpoint_no_training_run_will_redo(tmp_path):
+  # It evaluated the step before, then waited forever for the damaged one.
+  assert toy(tmp_path).returncode == 0
+  series = tmp_path / "checkpoints" / "latest"
+  truncate_every_file(series / "20")
+
+  evaluator = toy(tmp_path, "--jaxline_mode=eval", "--config.eval_poll_interval_secs=0.2",
+                  timeout=60)
+  assert evaluator.returncode == 1, evaluator.stderr[-3000:]
+  assert evaluator.stderr.strip().splitlines()[-1].endswith(
+      f"checkpoint {series / '20'} could not be loaded (step 10 was evaluated instead) and no "
+      f"training run holds {tmp_path} to save past it: resume the training run, then evaluate "
+      "again")
+  with open(tmp_path / "eval" / "metrics.jsonl") as f:
+    assert [json.loads(line)["step"] for line in f] == [10]
