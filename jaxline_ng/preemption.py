@@ -21,6 +21,7 @@ A second SIGTERM changes nothing there (JAX's handler keeps the notice); the
 scheduler's kill after its grace period ends the processes.
 """
 
+import atexit
 import contextlib
 import os
 import signal
@@ -166,6 +167,15 @@ def _exit_preempted(signum, frame) -> None:
   os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
 
 
+def _ignore_at_exit(signums: tuple[int, ...]) -> None:
+  """At exit, after a stop a signal asked for: the interpreter resets Python's
+  handlers to the default as it shuts down, and a signal in the fraction of a
+  second left would end the process with it, not 75. An ignored signal stays
+  ignored to the end."""
+  for signum in signums:
+    signal.signal(signum, signal.SIG_IGN)
+
+
 def _release_in_forked_child() -> None:
   """A child forked during the run (multiprocessing's default on Linux: data
   loaders, pools) has no watcher thread but shares the pipe: its signals would
@@ -226,6 +236,8 @@ def stop_on_signals(sigterm_to_jax: bool = False):
       # After a stop a signal asked for, the process exits 75 in a moment: one
       # more signal must not make that 143 (a scheduler requeues on 75 alone).
       signal.signal(signum, _exit_preempted if _signalled.is_set() else handler)
+    if _signalled.is_set() and previous:
+      atexit.register(_ignore_at_exit, tuple(previous))
     signal.set_wakeup_fd(previous_fd)
     os.close(write_fd)  # The watcher reads the end of the pipe and returns.
     watcher.join()

@@ -256,6 +256,27 @@ def test_sigterm_and_sigint_together_are_one_request_and_a_later_one_still_exits
   assert disk_checkpointing.read(str(tmp_path))[0] >= 11
 
 
+def test_a_sigterm_while_the_interpreter_shuts_down_after_a_stop_still_exits_75(tmp_path):
+  # The interpreter resets signal handlers before it tears down modules (and
+  # JAX and TensorFlow after them, a fraction of a second): a SIGTERM then
+  # ended the stopped run with 143, which a scheduler does not requeue.
+  script = experiment_script(tmp_path, (
+      "def step(self, global_step, rng, writer):\n"
+      "  if int(global_step[0]) == 10:\n"
+      "    import os, signal\n"
+      "    class SigtermAtTeardown:\n"  # Its module's globals are gone by then.
+      "      sigterm = functools.partial(os.kill, os.getpid(), signal.SIGTERM)\n"
+      "      def __del__(self):\n"
+      "        self.sigterm()\n"
+      "    sys.modules['__main__'].at_teardown = SigtermAtTeardown()\n"
+      "    os.kill(os.getpid(), signal.SIGTERM)\n"
+      "  return super().step(global_step=global_step, rng=rng, writer=writer)\n"))
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000",
+                   script=script))
+  assert result.returncode == 75, result.stderr[-3000:]
+  assert "stopped by SIGTERM after step" in result.stderr
+
+
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
 def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path, to_thread):
   # Only the final save snapshots: periodic saves are off. The second signal
