@@ -487,6 +487,12 @@ def _make_paths_absolute(config) -> None:
     given = config[key]
     if not given and key != "checkpoint_dir":
       continue
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", given):
+      # The run's lock, records and metrics are files written with Python's
+      # own I/O: a URL would become a relative directory named "gs:".
+      raise base_config.ConfigError(
+          f"config.{key}={given!r}: jaxline_ng keeps runs on a local or mounted filesystem, "
+          "not at a URL: mount the bucket (gcsfuse, s3fs) and give the mount's path")
     absolute = _absolute(given or ".")
     if absolute != given:
       config[key] = absolute

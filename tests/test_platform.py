@@ -86,6 +86,9 @@ def test_training_crash_in_multithreaded_mode_exits_nonzero(tmp_path):
      "config.checkpoint_dir='/proc/no_such_dir': cannot write"),
     ([f"--config={TOY}", "--config.compilation_cache_dir=/proc/no_such_dir"],
      "config.compilation_cache_dir='/proc/no_such_dir': cannot write /proc/no_such_dir"),
+    ([f"--config={TOY}", "--config.checkpoint_dir=gs://bucket/run"],
+     "config.checkpoint_dir='gs://bucket/run': jaxline_ng keeps runs on a local or mounted "
+     "filesystem, not at a URL"),
     ([], "--config"),
     ([f"--config={TOY}", "trian"], "unexpected positional arguments ['trian']: pass flags only"),
     ([f"--config={TOY}", "--jaxline_ensure_tpu"], "--jaxline_ensure_tpu: JAX's default backend"),
