@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import pytest
 
+from jaxline_ng import base_config
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DIGITS = "examples/digits/experiment.py"
 CHAR_LM = "examples/char_lm/experiment.py"
@@ -230,7 +232,9 @@ def test_digits_batch_size_must_divide_over_devices():
   config = digits.get_config("smoke").experiment_kwargs.config.copy_and_resolve_references()
   config.unlock()
   config.global_batch_size = 30  # 4 devices in tests.
-  with pytest.raises(ValueError, match="global_batch_size=30 is not divisible by the 4 devices"):
+  # A ConfigError: the command line prints it as one line, not a traceback.
+  with pytest.raises(base_config.ConfigError, match=r"^config\.experiment_kwargs\.config\."
+                     "global_batch_size=30 is not divisible by the 4 devices"):
     digits.Experiment("train", init_rng=None, config=config)
 
 

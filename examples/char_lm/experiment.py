@@ -201,9 +201,10 @@ class Experiment(experiment.AbstractExperiment):
     self.config = config
 
     if config.global_batch_size % jax.device_count():
-      raise ValueError(
-          f"global_batch_size={config.global_batch_size} is not divisible by the "
-          f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
+      raise base_config.ConfigError(  # One line naming the key, not a traceback.
+          f"config.experiment_kwargs.config.global_batch_size={config.global_batch_size} is "
+          f"not divisible by the {jax.device_count()} devices; use a multiple of "
+          f"{jax.device_count()}")
     self._per_device_batch = config.global_batch_size // jax.device_count()
 
     self._train_text, self._eval_text = load_split()

@@ -195,9 +195,10 @@ class Experiment(experiment.AbstractExperiment):
     # Every device gets an equal share of the batch; say so at start-up, not
     # as a reshape error at the first step.
     if config.global_batch_size % jax.device_count():
-      raise ValueError(
-          f"global_batch_size={config.global_batch_size} is not divisible by the "
-          f"{jax.device_count()} devices; use a multiple of {jax.device_count()}")
+      raise base_config.ConfigError(  # One line naming the key, not a traceback.
+          f"config.experiment_kwargs.config.global_batch_size={config.global_batch_size} is "
+          f"not divisible by the {jax.device_count()} devices; use a multiple of "
+          f"{jax.device_count()}")
     self._per_device_batch = config.global_batch_size // jax.device_count()
 
     self._train_data, self._eval_data = load_split()
