@@ -323,8 +323,8 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
         locks.enter_context(run_lock.held(config.checkpoint_dir, mode))
       except OSError as e:
         raise base_config.ConfigError(
-            f"config.checkpoint_dir={config.checkpoint_dir!r}: cannot write a lock file: "
-            f"{e.strerror or e}") from None
+            f"config.checkpoint_dir={config.checkpoint_dir!r}: cannot write a lock file"
+            f"{f' at {e.filename}' if e.filename else ''}: {e.strerror or e}") from None
     if config.checkpointer == "disk":
       _check_checkpoint_dir_is_shared(config.checkpoint_dir, mode)
     _run_locked(experiment_class, config, mode, checkpointer_factory)

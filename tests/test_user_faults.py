@@ -313,6 +313,17 @@ def one_line_error(result, culprit):
   return lines[0]
 
 
+@pytest.mark.parametrize("blocker", ["train", "train/run.lock/"])
+def test_a_lock_path_that_cannot_be_written_is_named(tmp_path, blocker):
+  # A file where the mode's directory goes, or a directory where its lock goes.
+  if blocker.endswith("/"):
+    os.makedirs(tmp_path / blocker)
+  else:
+    (tmp_path / blocker).write_text("")
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}"), timeout=60)
+  one_line_error(result, f"cannot write a lock file at {tmp_path / blocker.rstrip('/')}: ")
+
+
 def test_step_returning_a_per_device_vector_is_one_line_with_its_real_shape(tmp_path):
   script = experiment_script(tmp_path, (
       "def step(self, **kwargs):\n"
