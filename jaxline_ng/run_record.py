@@ -104,8 +104,10 @@ def write(config, mode: str, logdir: str) -> str:
     except (OSError, ValueError, KeyError, TypeError):
       started = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.UTC).isoformat()
     os.replace(path, os.path.join(logdir, f"run.{started.replace(':', '')}.json"))
-  with open(path, "w") as f:
+  # Whole or not at all: a run killed as it starts leaves no torn record.
+  with open(f"{path}.tmp", "w") as f:
     json.dump(record(config, mode), f, indent=2, sort_keys=True)
+  os.replace(f"{path}.tmp", path)
   return path
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 
 class SummaryError(ValueError):
-  """A metrics file that does not parse; names the file and line."""
+  """A metrics file or run record that does not parse; names the file (and line)."""
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -28,12 +28,27 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
     if not line.strip():
       continue
     try:
-      rows.append(json.loads(line))
+      row = json.loads(line)
     except ValueError as e:  # Not JSON, or not UTF-8.
       if number == len(lines) and not line.endswith(b"\n"):
         break
       raise SummaryError(f"{path}, line {number}: {e}") from None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+      raise SummaryError(f"{path}, line {number}: not a metrics row (an object with a step)")
+    rows.append(row)
   return rows
+
+
+def _read_config(path: str) -> dict[str, Any]:
+  """The config a run record holds."""
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except ValueError as e:  # Damaged: not JSON, or not UTF-8.
+    raise SummaryError(f"{path}: {e}") from None
+  if not isinstance(record, dict) or not isinstance(record.get("config", {}), dict):
+    raise SummaryError(f"{path}: not a jaxline_ng run record")
+  return record.get("config", {})
 
 
 def _best(records: list[dict[str, Any]], metric: str,
@@ -59,8 +74,7 @@ def summarize(checkpoint_dir: str) -> list[str]:
   for mode in modes:
     record_path = os.path.join(checkpoint_dir, mode, "run.json")
     if not config and os.path.isfile(record_path):
-      with open(record_path) as f:
-        config = json.load(f).get("config", {})
+      config = _read_config(record_path)
     records = records_of[mode] = _read_jsonl(os.path.join(checkpoint_dir, mode, "metrics.jsonl"))
     last = records[-1] if records else {}
     shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -82,6 +96,8 @@ def summarize(checkpoint_dir: str) -> list[str]:
   checkpoints = os.path.join(checkpoint_dir, "checkpoints")
   if os.path.isdir(checkpoints):
     for series in sorted(os.listdir(checkpoints)):
+      if not os.path.isdir(os.path.join(checkpoints, series)):
+        continue  # A file of the user's (notes), as training leaves it.
       steps = sorted(int(n) for n in os.listdir(os.path.join(checkpoints, series)) if n.isdigit())
       if steps:
         lines.append(f"Checkpoints ({series}): steps {steps} in "
@@ -98,7 +114,7 @@ def main(argv: list[str]) -> int:
     return 2
   try:
     lines = summarize(argv[1])
-  except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, SummaryError) as e:
+  except (FileNotFoundError, NotADirectoryError, SummaryError) as e:
     print(f"jaxline_ng.summary: error: {e}", file=sys.stderr)
     return 1
   print("\n".join(lines))

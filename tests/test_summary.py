@@ -57,3 +57,21 @@ def test_summary_gives_each_evaluator_its_own_best(tmp_path):
   text = "\n".join(summary.summarize(str(tmp_path)))
   assert "Best acc (eval_heldout): 0.7000 at step 10" in text
   assert "Best acc (eval_train): 0.9900 at step 10" in text
+
+
+def test_summary_names_a_damaged_file_in_one_line_and_skips_a_users_own(tmp_path, capsys):
+  write_jsonl(tmp_path / "train" / "metrics.jsonl", [{"step": 10, "loss": 0.5}])
+  (tmp_path / "checkpoints" / "latest" / "10").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "NOTES.txt").write_text("lr sweep, run 3")
+  assert "Checkpoints (latest): steps [10]" in "\n".join(summary.summarize(str(tmp_path)))
+  record = tmp_path / "train" / "run.json"
+  for damaged in ('{"config": {"best_mo', "[1, 2]"):
+    record.write_text(damaged)
+    assert summary.main(["summary", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"jaxline_ng.summary: error: {record}: ")
+  record.unlink()
+  for row in ("[1, 2]", '{"loss": 0.5}'):
+    (tmp_path / "train" / "metrics.jsonl").write_text(row + "\n")
+    assert summary.main(["summary", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (f"jaxline_ng.summary: error: {tmp_path}/train/metrics.jsonl"
+                                       ", line 1: not a metrics row (an object with a step)\n")
