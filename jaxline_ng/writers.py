@@ -124,18 +124,20 @@ def _to_step(global_step: Any) -> int:
                           "array)") from None
 
 
-def _to_image_batch(value: Any) -> np.ndarray:
-  """An image or image batch as the [B, H, W, C] array TensorBoard expects."""
+def _check_image(value: Any, name: str) -> None:
+  """Raises WriteInputError unless `value` is an image or image batch (its shape alone
+  is looked at: a device array is not copied)."""
+  if np.ndim(value) not in (2, 3, 4):
+    raise WriteInputError(f"write_images: image {name!r} is {type(value).__name__} "
+                          f"{value!r:.40} of shape {np.shape(value)}: write [H, W], [H, W, C] or "
+                          "[B, H, W, C]")
+
+
+def _to_image_batch(value: Any, name: str) -> np.ndarray:
+  """Image `name`, an image or image batch, as the [B, H, W, C] array TensorBoard expects."""
+  _check_image(value, name)
   image = np.asarray(value)
-  match image.ndim:
-    case 2:
-      return image[None, :, :, None]
-    case 3:
-      return image[None]
-    case 4:
-      return image
-  raise ValueError(f"Expected an image of shape [H, W], [H, W, C] or [B, H, W, C], got "
-                   f"shape {image.shape}.")
+  return image[None, :, :, None] if image.ndim == 2 else image[None] if image.ndim == 3 else image
 
 
 class TensorBoardWriter:
@@ -241,7 +243,7 @@ class TensorBoardWriter:
   def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
     with self._at_step(global_step):
       for name, value in images.items():
-        batch = _to_image_batch(value)
+        batch = _to_image_batch(value, name)
         self._tf.summary.image(name, batch, max_outputs=batch.shape[0])
 
   def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
@@ -403,7 +405,11 @@ class JsonlWriter:
       self.flush()
 
   def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
-    del global_step, images
+    # Not written here, but refused as TensorBoard would: a run logging to
+    # both must not fail only when TensorBoard is on.
+    del global_step
+    for name, value in images.items():
+      _check_image(value, name)
 
   def write_histograms(self, global_step: int, values: Mapping[str, Any]) -> None:
     del global_step, values

@@ -694,3 +694,15 @@ def test_values_a_writer_cannot_write_are_one_line_naming_them(tmp_path, step, s
   with pytest.raises(writers.WriterError, match=re.escape(culprit)) as raised:
     writer.close()
   assert raised.value.one_line
+
+
+@pytest.mark.parametrize("tensorboard", [False, True], ids=["jsonl", "tensorboard"])
+def test_an_image_a_writer_cannot_write_is_one_line_naming_it(tmp_path, tensorboard):
+  # TensorBoard's failure named no image; without TensorBoard it went unnoticed.
+  writer = writers.make_writer(str(tmp_path), tensorboard=tensorboard)
+  writer.write_images(1, {"grid": np.zeros((8, 8)), "samples": "not an image"})
+  with pytest.raises(writers.WriterError, match=re.escape(
+      "write_images: image 'samples' is str 'not an image' of shape (): write [H, W], [H, W, C] "
+      "or [B, H, W, C]")) as raised:
+    writer.close()
+  assert raised.value.one_line
