@@ -213,6 +213,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         rng.check_mesh_random_mode(config[key], key)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+  elif config.mesh_shape != defaults.mesh_shape:
+    logging.warning("[jaxline_ng] config.mesh_shape=%r is not used: config.placement=%r (set "
+                    "config.placement='mesh' to run on a mesh).", config.mesh_shape,
+                    config.placement)
 
   if config.checkpointer not in CHECKPOINTERS:
     raise ConfigError(

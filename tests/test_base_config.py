@@ -181,3 +181,14 @@ def test_jaxlines_check_constraints_refuses_what_jaxline_refused(changes, culpri
     base_config.check_constraints(config)
   config.update(interval_type="steps", checkpoint_interval_type=None)
   base_config.check_constraints(config)
+
+
+def test_a_mesh_shape_without_mesh_placement_is_warned_of(caplog):
+  # It was ignored without a word: the run went on in pmap mode.
+  config = base_config.get_base_config()
+  base_config.validate_config(config)
+  assert "mesh_shape" not in caplog.text
+  config.mesh_shape = "data:2"
+  base_config.validate_config(config)
+  assert ("config.mesh_shape='data:2' is not used: config.placement='pmap' (set "
+          "config.placement='mesh' to run on a mesh)") in caplog.text
