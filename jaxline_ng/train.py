@@ -752,7 +752,9 @@ def evaluate(experiment_class, config, checkpointer, writer,
         except checkpointing.CheckpointSuperseded as e:
           logging.warning("[jaxline_ng] Not evaluated: %s; going on to the newer one.", e)
           superseded = True
-      unloadable = [] if superseded else list(getattr(checkpointer, "unloadable_newer", ()))
+      # Only jaxline_ng's disk checkpointer falls back past what does not load.
+      unloadable = (list(getattr(checkpointer, "unloadable_newer", ()))
+                    if not superseded and _is_ours(checkpointer, "restore") else [])
       step_here = None if superseded else state.global_step
       if follow_chief and not _restored_by_all(decision, step_here):
         if not superseded:
