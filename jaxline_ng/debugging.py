@@ -46,8 +46,14 @@ _entered: list[bool] = []
 def eager_if_requested():
   """Runs the body eagerly (chex's fake pmap and jit, and `jax.disable_jit()`)
   when the flag asks for it; inside a body that already does, as it is."""
-  if not pmap_jit_disabled() or _entered:
+  if not pmap_jit_disabled():
     yield
+    return
+  if _entered:
+    # chex's patch holds for the process, `disable_jit` for one thread: the
+    # trainer thread of train_eval_multithreaded enters its own.
+    with jax.disable_jit():
+      yield
     return
   import chex  # pylint: disable=import-outside-toplevel  (only debugging runs pay its import)
   logging.warning(

@@ -90,6 +90,18 @@ def test_disable_pmap_jit_runs_steps_eagerly(tmp_path):
     assert "run eagerly" in result.stderr
 
 
+def test_disable_pmap_jit_reaches_the_training_thread_of_train_eval_multithreaded(tmp_path):
+  # `jax.disable_jit` holds for the thread that enters it: the trainer's
+  # thread ran the import-time pmap and jits compiled.
+  result = run(tmp_path, "--jaxline_disable_pmap_jit", "--jaxline_mode=train_eval_multithreaded")
+  assert result.returncode == 0, result.stderr
+  pmap_lines = [line for line in result.stdout.splitlines() if line.startswith("PMAP_SEES")]
+  assert len(pmap_lines) == 2  # Called every step, not traced once.
+  assert "[0. 1. 2.]" in pmap_lines[0] and "[1. 2. 3.]" in pmap_lines[1]
+  assert [line for line in result.stdout.splitlines()
+          if line.startswith("JIT_SEES")] == ["JIT_SEES ArrayImpl"] * 2
+
+
 def test_without_the_flag_steps_are_compiled(tmp_path):
   result = run(tmp_path)
   assert result.returncode == 0, result.stderr
