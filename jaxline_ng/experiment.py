@@ -217,6 +217,26 @@ def checkpoint_attrs_problem(experiment) -> str | None:
   return None
 
 
+# Per-device copies compared after the first step, per leaf: BatchNorm
+# statistics and the like are small, and reading every copy of large weights
+# would cost the start-up time and host memory.
+_COMPARED_BYTES = 1 << 20
+
+
+def differing_copies(experiment) -> list[str]:
+  """The CHECKPOINT_ATTRS entries (pmap mode) with a leaf of at most 1 MiB whose
+  per-device copies differ: a checkpoint keeps the first device's alone."""
+  if _overrides_snapshot(experiment) or mesh_lib.active_mesh() is not None:
+    return []
+  differing = []
+  for attr in checkpoint_attrs(experiment)[0]:
+    if any(devices.one_row_per_device(leaf) and leaf.is_fully_addressable
+           and leaf.nbytes <= _COMPARED_BYTES and not devices.equal_rows(leaf)
+           for leaf in jax.tree.leaves(getattr(experiment, attr, None))):
+      differing.append(attr)
+  return differing
+
+
 def _overrides_snapshot(experiment) -> bool:
   """Whether the experiment's own `snapshot_state` adds to (or replaces) the attributes'."""
   return type(experiment).snapshot_state is not AbstractExperiment.snapshot_state

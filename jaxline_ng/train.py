@@ -146,7 +146,8 @@ class _FirstStepChecks(periodic.EveryStepAction):
   """A periodic action: stops the run after its first step if what `step`
   returned cannot be logged, or if the experiment's CHECKPOINT_ATTRS cannot
   be saved (`__init__` may leave them to the first step to build), rather
-  than at the first write or save, minutes or a whole run later.
+  than at the first write or save, minutes or a whole run later; warns of
+  CHECKPOINT_ATTRS whose copies differ between devices.
 
   Runs on the loop's thread, first of all actions, while the outputs are
   what `step` returned. Later steps' outputs are checked where they are
@@ -167,6 +168,12 @@ class _FirstStepChecks(periodic.EveryStepAction):
       problem = experiment_lib.checkpoint_attrs_problem(self._experiment)
       if problem:
         raise experiment_lib.CheckpointAttrsError(problem)
+      for attr in experiment_lib.differing_copies(self._experiment):
+        logging.warning(
+            "[jaxline_ng] CHECKPOINT_ATTRS entry %r differs between devices after the first "
+            "step: checkpoints keep device 0's copy (as jaxline's did), so a resumed run is not "
+            "exact. Average it over devices (haiku's BatchNorm: cross_replica_axis) or list it in "
+            "NON_BROADCAST_CHECKPOINT_ATTRS.", attr)
 
 
 def _interval_type(config, specific_key: str) -> str:
