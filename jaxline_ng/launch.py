@@ -22,6 +22,7 @@ leaves none running: each gets SIGTERM, saves and exits 75.
 
 import argparse
 import ctypes
+import errno
 import os
 import re
 import shutil
@@ -129,6 +130,33 @@ def _run_exit_code(processes, ended_at: dict[int, float], named_failures: tuple[
   return 0, None
 
 
+def port_in_use(port: int) -> bool:
+  """Whether TCP `port` is in use on this host.
+
+  JAX's coordination service (a gRPC server) listens with SO_REUSEPORT, so
+  on a port another one holds (process 0 of an earlier run still alive, or
+  two processes given id 0) it starts without error; the kernel then splits
+  the processes between the two services, and the run hangs until the join
+  timeout or aborts naming nothing. A bind without SO_REUSEPORT fails there.
+  """
+  # "::" also covers IPv4 on a dual-stack host; without IPv6, 0.0.0.0 decides.
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    try:
+      probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue
+    with probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
+      try:
+        probe.bind((host, port))
+      except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+          return True
+        continue
+      return False
+  return False
+
+
 def launch(command: list[str], num_processes: int, devices_per_process: int,
            port: int = 0) -> int:
   """Runs `command` as `num_processes` processes; returns the run's exit code."""
@@ -223,6 +251,13 @@ def main(argv=None) -> int:
     parser.error("give the command to run after --")
   if args.num_processes < 1 or args.devices_per_process < 1:
     parser.error("--num_processes and --devices_per_process must be >= 1")
+  if args.port and not 0 < args.port < 65536:
+    parser.error(f"--port={args.port} is not a port (1-65535, or 0 to pick a free one)")
+  if args.port and port_in_use(args.port):
+    # A process given a live run's coordinator ends that run (JAX aborts
+    # every process of it), so the port is checked before any starts.
+    parser.error(f"--port={args.port} is in use on this host (another run's coordinator?): "
+                 "give another, or 0 to pick a free one")
   if shutil.which(command[0]) is None:
     parser.error(f"the command's program {command[0]!r} is not found or not executable")
   code = launch(command, args.num_processes, args.devices_per_process, args.port)

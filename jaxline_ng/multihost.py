@@ -22,7 +22,6 @@ never complete.
 """
 
 import atexit
-import errno
 import functools
 import json
 import os
@@ -39,7 +38,7 @@ import numpy as np
 from absl import flags, logging
 from jax.experimental import multihost_utils
 
-from jaxline_ng import run_record
+from jaxline_ng import launch, run_record
 
 # Environment variables that should hold an integer and do not: refused when
 # the run starts, in one line, rather than with a traceback at import.
@@ -161,32 +160,12 @@ def initialize_if_requested() -> bool:
 
 
 def _refuse_a_taken_port(port: int) -> None:
-  """Raises MultihostError if process 0's coordinator `port` is in use on this host.
-
-  JAX's coordination service (a gRPC server) listens with SO_REUSEPORT, so
-  on a port another one holds (process 0 of an earlier run still alive, or
-  two processes given id 0) it starts without error; the kernel then splits
-  the processes between the two services, and the run hangs until the join
-  timeout or aborts naming nothing. A bind without SO_REUSEPORT fails there.
-  """
-  # "::" also covers IPv4 on a dual-stack host; without IPv6, 0.0.0.0 decides.
-  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-    try:
-      probe = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:
-      continue
-    with probe:
-      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict.
-      try:
-        probe.bind((host, port))
-      except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-          continue
-        raise MultihostError(
-            f"--jaxline_coordinator_address={_COORDINATOR.value}: port {port} is in use on "
-            "this host (process 0 of another run still alive, or two processes given "
-            "--jaxline_process_id=0?)") from None
-      return
+  """Raises MultihostError if process 0's coordinator `port` is in use on this host."""
+  if launch.port_in_use(port):
+    raise MultihostError(
+        f"--jaxline_coordinator_address={_COORDINATOR.value}: port {port} is in use on "
+        "this host (process 0 of another run still alive, or two processes given "
+        "--jaxline_process_id=0?)")
 
 
 def is_chief() -> bool:

@@ -523,10 +523,19 @@ def main(experiment_class, argv: Sequence[str],
     base_config.validate_config(config)
     _make_paths_absolute(config)
     check_mode(mode)
+    if multihost.is_multiprocess() and debugging.pmap_jit_disabled():
+      # chex makes each process's pmaps vmaps over its own devices: the
+      # processes would train apart and wait forever on each other's saves.
+      raise base_config.ConfigError(
+          "--jaxline_disable_pmap_jit runs pmap as a vmap over this process's devices alone, "
+          "so several processes would train apart: debug with one process")
     # JAX takes process 0's count when others give another: a wrong count is named too.
     multihost.check_same_launch({
         "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
         "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
+        # Collectives over other dtypes abort; other keys make replicas differ.
+        "jax_enable_x64": jax.config.jax_enable_x64,
+        "jax_default_prng_impl": jax.config.jax_default_prng_impl,
         # Hosts may mount one checkpoint_dir at different paths: whether theirs
         # is one directory is checked by its lock (`_check_checkpoint_dir_is_shared`).
         **{f"config.{key}": value for key, value in run_record.flat_config(config).items()

@@ -146,6 +146,35 @@ def test_a_launch_of_a_program_that_is_not_there_is_one_line(capsys):
   assert "'/nonexistent/python' is not found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("port, culprit", [
+    (99999, "--port=99999 is not a port (1-65535, or 0 to pick a free one)"),
+    (None, "is in use on this host (another run's coordinator?)")])
+def test_a_launch_on_a_port_it_cannot_have_starts_nothing(capsys, port, culprit):
+  # A process given a live run's coordinator port aborted that whole run.
+  with socket.socket() as held:
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    with pytest.raises(SystemExit) as exited:
+      launch_lib.main([f"--port={port or held.getsockname()[1]}", "--", sys.executable, "x.py"])
+  assert exited.value.code == 2
+  assert culprit in capsys.readouterr().err
+
+
+def test_processes_launched_with_other_jax_settings_or_the_debug_switch_stop_naming_it(tmp_path):
+  # x64 on one process aborted both in a collective, naming nothing; under the
+  # debug switch each process trained alone, then hung in the first save.
+  command = " ".join(toy(tmp_path / "x64", "--config.training_steps=4"))
+  result = launch(["sh", "-c", f"JAX_ENABLE_X64=$JAX_PROCESS_ID exec {command}"], timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  assert ("[p1] jaxline_ng: error: process 1 was launched unlike process 0: jax_enable_x64=True "
+          "(process 0: False)") in result.stdout, result.stdout[-4000:]
+  result = launch(toy(tmp_path / "debug", "--jaxline_disable_pmap_jit"), timeout=120)
+  assert result.returncode == 1, result.stdout[-4000:]
+  assert ("jaxline_ng: error: --jaxline_disable_pmap_jit runs pmap as a vmap over this process's "
+          "devices alone, so several processes would train apart: debug with one process"
+          ) in result.stdout, result.stdout[-4000:]
+
+
 def test_host_slice_takes_this_process_share(monkeypatch):
   rows = np.arange(8)
   np.testing.assert_array_equal(multihost.host_slice(rows), rows)
