@@ -938,17 +938,22 @@ def _check_writable(path: str) -> None:
                                "is not writable")
 
 
+def check_checkpoint_dir(checkpoint_dir: str) -> None:
+  """Raises ConfigError if orbax could not read back what it saves under `checkpoint_dir`."""
+  if re.search(r"\[.*\]", checkpoint_dir):
+    # Orbax gathers the files a save wrote with a glob under the step's
+    # directory, which takes "[...]" in the path for a pattern: it would
+    # gather nothing, and no array saved there could be read back.
+    raise base_config.ConfigError(
+        f"config.checkpoint_dir={checkpoint_dir!r}: orbax cannot save under a path holding "
+        "'[...]' (it takes it for a glob pattern): choose one without brackets")
+
+
 class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 
   def __init__(self, config, mode: str):
-    if re.search(r"\[.*\]", config.checkpoint_dir):
-      # Orbax gathers the files a save wrote with a glob under the step's
-      # directory, which takes "[...]" in the path for a pattern: it would
-      # gather nothing, and no array saved there could be read back.
-      raise base_config.ConfigError(
-          f"config.checkpoint_dir={config.checkpoint_dir!r}: orbax cannot save under a path "
-          "holding '[...]' (it takes it for a glob pattern): choose one without brackets")
+    check_checkpoint_dir(config.checkpoint_dir)
     logging.get_absl_logger().addFilter(_drop_orbax_info)  # Once: addFilter skips repeats.
     # Train and eval processes share the series; each moves aside only
     # damaged checkpoints of the series it writes.

@@ -522,6 +522,9 @@ def main(experiment_class, argv: Sequence[str],
     multihost.begin_run()
     base_config.validate_config(config)
     _make_paths_absolute(config)
+    if config.get("checkpointer") == "disk":  # Before the run's lock and cache go there.
+      from jaxline_ng import disk_checkpointing  # Deferred: orbax is slow to import.
+      disk_checkpointing.check_checkpoint_dir(config.checkpoint_dir)
     check_mode(mode)
     if multihost.is_multiprocess() and debugging.pmap_jit_disabled():
       # chex makes each process's pmaps vmaps over its own devices: the

@@ -118,7 +118,7 @@ def test_unusable_checkpoint_dir_is_named_as_the_culprit(tmp_path, name):
   assert result.returncode != 0
   assert "Traceback" not in result.stderr
   assert f"error: config.checkpoint_dir='{checkpoint_dir}': " in result.stderr, result.stderr
-  assert not (tmp_path / "run[1]" / "checkpoints").exists()
+  assert not (tmp_path / "run[1]").exists()  # A refused run leaves nothing (no lock, no cache).
 
 
 def test_syntax_error_in_config_file_is_one_line(tmp_path):
