@@ -137,7 +137,12 @@ def _to_image_batch(value: Any, name: str) -> np.ndarray:
   """Image `name`, an image or image batch, as the [B, H, W, C] array TensorBoard expects."""
   _check_image(value, name)
   image = np.asarray(value)
-  return image[None, :, :, None] if image.ndim == 2 else image[None] if image.ndim == 3 else image
+  match image.ndim:
+    case 2:
+      return image[None, :, :, None]
+    case 3:
+      return image[None]
+  return image
 
 
 class TensorBoardWriter:
