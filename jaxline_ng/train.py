@@ -1003,7 +1003,8 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
 
   The evaluator's experiment is constructed with mode
   "train_eval_multithreaded", as in jaxline. If training raises, evaluation
-  stops and the training error is raised here (jaxline hung forever).
+  stops after the evaluation in progress and the training error is raised
+  here (jaxline hung forever).
   The evaluator restores through `eval_checkpointer` (default: `checkpointer`),
   which must see the trainer's saves.
 
@@ -1030,6 +1031,11 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
       train(experiment_class, config, checkpointer, writer)
     except BaseException as e:  # pylint: disable=broad-except  (re-raised on the main thread)
       training_errors.append(e)
+      if not preemption.stop_requested():
+        # The evaluator ends after the evaluation in progress, as at a stop
+        # request: evaluating the newer checkpoints too would keep a failed
+        # run going for hours.
+        preemption.request_stop("the training thread's failure")
 
   trainer = threading.Thread(target=run_training, name="jaxline_ng_train", daemon=True)
   trainer.start()

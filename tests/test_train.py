@@ -542,6 +542,40 @@ def test_multithreaded_training_error_stops_evaluation_and_is_raised():
   assert errors and "boom at step 2" in str(errors[0])
 
 
+class FailsDuringFirstEvaluation(Counting):
+  """Training fails at step 5 while the first evaluation (minutes, in a real run) is running."""
+  evaluated = []
+
+  def step(self, global_step, rng, writer):
+    step = int(utils.get_first(global_step))
+    deadline = time.monotonic() + 30
+    while step == 2 and not FailsDuringFirstEvaluation.evaluated and time.monotonic() < deadline:
+      time.sleep(0.01)
+    if step == 5:
+      raise RuntimeError("boom at step 5")
+    return super().step(global_step, rng, writer)
+
+  def evaluate(self, global_step, rng, writer):
+    FailsDuringFirstEvaluation.evaluated.append(int(utils.get_first(global_step)))
+    deadline = time.monotonic() + 30
+    while (any(t.name == "jaxline_ng_train" for t in threading.enumerate())
+           and time.monotonic() < deadline):
+      time.sleep(0.01)
+    return super().evaluate(global_step, rng, writer)
+
+
+def test_multithreaded_training_error_ends_evaluation_after_the_one_in_progress():
+  FailsDuringFirstEvaluation.evaluated = []
+  config = make_config(training_steps=50, save_checkpoint_interval=1)
+  with pytest.raises(RuntimeError, match="boom at step 5"):
+    train.train_eval_multithreaded(FailsDuringFirstEvaluation, config,
+                                   checkpointing.InMemoryCheckpointer(config, "train"), None)
+  # Not also the newer checkpoints saved before the failure: an evaluation
+  # can take hours, and the run has failed.
+  assert len(FailsDuringFirstEvaluation.evaluated) == 1, FailsDuringFirstEvaluation.evaluated
+  assert not preemption.stop_requested()
+
+
 class EndsInShouldRunStep(Counting):
   def should_run_step(self, global_step, config):
     return global_step < 3
