@@ -980,6 +980,8 @@ class DiskCheckpointer:
     # Newer checkpoints the last `restore` tried and could not load: an eval
     # job stops waiting for them once no training run can replace them.
     self.unloadable_newer: list[str] = []
+    # The `restore_path` checkpoint a fresh training run started from, if any.
+    self.started_from: str | None = None
     for ckpt_series in self._writes:  # Now, not at the first save, minutes of training later.
       _check_writable(self._series_dir(ckpt_series))
 
@@ -1152,20 +1154,32 @@ class DiskCheckpointer:
                         "; trying the previous one." if position + 1 < len(candidates) else ".")
         failures.append((candidate, e))
         continue
-      if fresh_run and ckpt_series == "latest":
-        # `restore_path` seeds a new run: its weights, not its step or keys.
-        nest = {"experiment_module": nest.get("experiment_module", {})}
-      elif training:  # An evaluation takes no key from the chain.
+      starting = fresh_run and ckpt_series == "latest"
+      if starting and training:
+        # `restore_path` starts a new run where the other run's checkpoint is:
+        # its step, key chain and experiment state, so the new run continues
+        # it exactly (an optimizer's own step count and the schedules read
+        # from it agree with the step). Its config and saving clock are the
+        # other run's.
+        nest = {name: value for name, value in nest.items()
+                if name not in ("run_config", "periodic_action_times")}
+        self.started_from = candidate
+      if training:  # An evaluation takes no key from the chain.
         _warn_if_another_topology(topology, nest["global_step"])
-        if ckpt_series == "latest" and self._restore_path:
-          # It seeds new runs only: a requeued run keeps it on its command line.
+        if not starting and ckpt_series == "latest" and self._restore_path:
+          # It starts new runs only: a requeued run keeps it on its command line.
           logging.warning("[jaxline_ng] config.restore_path=%r is not read: the run resumes its "
                           "own checkpoint %s.", self._restore_path, candidate)
       if not fresh_run:
         self._move_aside([p for p, _ in failures], ckpt_series)
       self.unloadable_newer = [p for p, _ in failures]
       checkpointing.restore_snapshot(state, nest)
-      logging.info("[jaxline_ng] Restored checkpoint %s.", candidate)
+      if self.started_from == candidate:
+        logging.info("[jaxline_ng] Started from config.restore_path's checkpoint %s (step %d); "
+                     "this run saves to %s.", candidate, state.global_step,
+                     self._series_dir(ckpt_series))
+      else:
+        logging.info("[jaxline_ng] Restored checkpoint %s.", candidate)
       return
     if not failures:
       raise CheckpointRefused(f"no checkpoint for series {ckpt_series!r} in {self._read_root}")

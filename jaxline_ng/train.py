@@ -374,6 +374,14 @@ def train(experiment_class, config, checkpointer, writer,
     if keeps_our_entries:
       _check_resumed_config(getattr(state, "run_config", None), run_config,
                             config.strict_resume_config)
+    started_from = (getattr(checkpointer, "started_from", None)
+                    if _is_ours(checkpointer, "restore") else None)
+    if started_from and not experiment.should_run_step(state.global_step, config):
+      raise base_config.ConfigError(
+          f"config.restore_path: the run starts from {started_from} at step "
+          f"{state.global_step}, where its training ends (training_steps="
+          f"{config.training_steps}); steps count on from the checkpoint's, so set "
+          f"training_steps above {state.global_step}")
     if not experiment.should_run_step(state.global_step, config):
       # A rerun of a finished run, or one given fewer training_steps: it would
       # end at once, looking like a run that trained.

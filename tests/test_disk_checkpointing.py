@@ -264,13 +264,32 @@ def test_partial_save_is_ignored_and_cleaned(tmp_path):
 @pytest.mark.parametrize("restore_path", [
     "source/checkpoints/latest", "source/checkpoints/latest/4",
     "source"])  # The other run's checkpoint_dir.
-def test_restore_path_seeds_a_fresh_run_with_weights_only(tmp_path, restore_path):
-  source = run(disk_config(tmp_path / "source", 4))
-  fresh = run(disk_config(tmp_path / "fresh", 2, restore_path=str(tmp_path / restore_path)))
-  assert Rich.seen_steps == [0, 1]
-  assert fresh._history == [0, 1, 2, 3, 0, 1]
-  assert series_steps(tmp_path / "fresh") == [2]
-  del source
+def test_restore_path_starts_a_fresh_run_where_the_checkpoint_is(tmp_path, restore_path):
+  run(disk_config(tmp_path / "source", 4))
+  fresh = run(disk_config(tmp_path / "fresh", 6, restore_path=str(tmp_path / restore_path)))
+  assert Rich.seen_steps == [4, 5]
+  assert fresh._history == [0, 1, 2, 3, 4, 5]
+  assert series_steps(tmp_path / "fresh") == [6]
+  assert series_steps(tmp_path / "source") == [2, 4]  # Another run's: untouched.
+
+
+def test_a_run_started_from_restore_path_continues_the_other_run_exactly(tmp_path):
+  """Step, key chain and optimizer state together: an optimizer's own count
+  (which its schedules read) stays the run's step."""
+  whole = run(disk_config(tmp_path / "whole", 6))
+  run(disk_config(tmp_path / "source", 4))
+  fresh = run(disk_config(tmp_path / "fresh", 6, restore_path=str(tmp_path / "source")))
+  chex.assert_trees_all_equal(jax.device_get(fresh._params), jax.device_get(whole._params))
+  chex.assert_trees_all_equal(jax.device_get(fresh._opt_state), jax.device_get(whole._opt_state))
+  assert int(utils.get_first(fresh._opt_state[0].count)) == 6
+
+
+def test_a_restore_path_at_or_past_training_steps_is_refused_naming_the_key(tmp_path):
+  run(disk_config(tmp_path / "source", 4))
+  with pytest.raises(base_config.ConfigError, match=r"^config.restore_path: .* at step 4, "
+                     r"where its training ends \(training_steps=2\).*set training_steps above 4$"):
+    run(disk_config(tmp_path / "fresh", 2, restore_path=str(tmp_path / "source")))
+  assert Rich.seen_steps == []
 
 
 def test_a_resumed_run_says_it_does_not_read_its_restore_path(tmp_path, caplog):
@@ -287,8 +306,8 @@ def test_a_restore_path_whose_newest_checkpoint_is_damaged_seeds_from_the_one_be
   run(disk_config(tmp_path / "source", 4))
   source = tmp_path / "source" / "checkpoints" / "latest"
   _truncate(source / "4")
-  fresh = run(disk_config(tmp_path / "fresh", 2, restore_path=str(tmp_path / "source")))
-  assert fresh._history == [0, 1, 0, 1]  # Step 2's weights, then two steps of its own.
+  fresh = run(disk_config(tmp_path / "fresh", 4, restore_path=str(tmp_path / "source")))
+  assert fresh._history == [0, 1, 2, 3]  # From step 2, its own steps 2 and 3.
   assert f"Checkpoint {source / '4'} could not be loaded" in caplog.text
   assert series_steps(tmp_path / "source") == [2, 4]  # Another run's: nothing moved.
 
