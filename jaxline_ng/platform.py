@@ -552,6 +552,13 @@ def main(experiment_class, argv: Sequence[str],
     sigterm_to_jax = multihost.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
     with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
+      if preemption.signalled():
+        # It came as the work ended (the last evaluation, the final save): the
+        # exit is still the 75 the log promised, and a program's code after
+        # platform.main does not run on past the signal.
+        logging.warning("[jaxline_ng] %s came as the run ended: exiting with code %d.",
+                        preemption.stop_reason(), preemption.EXIT_PREEMPTED)
+        raise SystemExit(preemption.EXIT_PREEMPTED)
   except preemption.Preempted:
     raise SystemExit(preemption.EXIT_PREEMPTED) from None
   except Exception as e:  # pylint: disable=broad-except

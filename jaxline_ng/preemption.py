@@ -73,6 +73,11 @@ def wait_for_stop(timeout: float) -> bool:
   return _stop_requested.wait(min(timeout, threading.TIMEOUT_MAX))
 
 
+def signalled() -> bool:
+  """Whether a signal asked this run to stop (kept once the request is served)."""
+  return _signalled.is_set()
+
+
 def stop_reason() -> str:
   """What asked for the stop, e.g. "SIGTERM"."""
   return _reason[0]

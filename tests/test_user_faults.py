@@ -277,6 +277,32 @@ def test_a_sigterm_while_the_interpreter_shuts_down_after_a_stop_still_exits_75(
   assert "stopped by SIGTERM after step" in result.stderr
 
 
+SIGTERM_THEN = (
+    "  import os, signal, time\n"
+    "  os.kill(os.getpid(), signal.SIGTERM)\n"
+    "  time.sleep(0.2)\n")
+
+
+@pytest.mark.parametrize("body, mode_args", [
+    ("def evaluate(self, global_step, rng, writer):\n" + SIGTERM_THEN +
+     "  return super().evaluate(global_step=global_step, rng=rng, writer=writer)\n",
+     ("--jaxline_mode=eval", "--config.one_off_evaluate=True",
+      "--config.eval_initial_weights=True")),
+    ("def snapshot_state(self):\n" + SIGTERM_THEN +  # Only the final save: training_steps=3.
+     "  return super().snapshot_state()\n",
+     ("--config.training_steps=3",))],
+    ids=["during_a_one_off_evaluation", "during_the_final_save"])
+def test_a_sigterm_as_the_run_ends_still_exits_75(tmp_path, body, mode_args):
+  # The work ends normally, but the log said "exiting with code 75": exit 0
+  # left a program's code after platform.main running after its SIGTERM (an
+  # emergent_in_context_learning main calls platform.main again).
+  script = experiment_script(tmp_path, body)
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", *mode_args, script=script))
+  assert result.returncode == 75, result.stderr[-3000:]
+  assert "SIGTERM came as the run ended: exiting with code 75" in result.stderr
+  assert "Second SIGTERM" not in result.stderr
+
+
 @pytest.mark.parametrize("to_thread", [False, True], ids=["to_process", "to_another_thread"])
 def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path, to_thread):
   # Only the final save snapshots: periodic saves are off. The second signal
