@@ -1155,15 +1155,16 @@ class DiskCheckpointer:
         failures.append((candidate, e))
         continue
       starting = fresh_run and ckpt_series == "latest"
-      if starting and training:
+      if starting:
         # `restore_path` starts a new run where the other run's checkpoint is:
         # its step, key chain and experiment state, so the new run continues
         # it exactly (an optimizer's own step count and the schedules read
         # from it agree with the step). Its config and saving clock are the
-        # other run's.
+        # other run's: an eval job would take that run's end for this one's.
         nest = {name: value for name, value in nest.items()
                 if name not in ("run_config", "periodic_action_times")}
-        self.started_from = candidate
+        if training:
+          self.started_from = candidate
       if training:  # An evaluation takes no key from the chain.
         _warn_if_another_topology(topology, nest["global_step"])
         if not starting and ckpt_series == "latest" and self._restore_path:

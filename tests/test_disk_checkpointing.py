@@ -9,6 +9,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import chex
 import haiku as hk
@@ -282,6 +284,35 @@ def test_a_run_started_from_restore_path_continues_the_other_run_exactly(tmp_pat
   chex.assert_trees_all_equal(jax.device_get(fresh._params), jax.device_get(whole._params))
   chex.assert_trees_all_equal(jax.device_get(fresh._opt_state), jax.device_get(whole._opt_state))
   assert int(utils.get_first(fresh._opt_state[0].count)) == 6
+
+
+def test_an_eval_job_beside_a_run_started_from_restore_path_follows_that_run(tmp_path):
+  """Not the other run's end: the source finished at its step 4, this run goes on to 8."""
+  run(disk_config(tmp_path / "source", 4))
+  config = disk_config(tmp_path / "side", 8, restore_path=str(tmp_path / "source"))
+  evaluated, done = [], threading.Event()
+
+  class Recording(Rich):
+    def evaluate(self, global_step, **unused):
+      evaluated.append(int(utils.get_first(global_step)))
+      return super().evaluate()
+
+  def evaluate():
+    try:
+      train.evaluate(Recording, config, disk_checkpointing.DiskCheckpointer(config, "eval"), None,
+                     jaxline_mode="eval", poll_interval_secs=0.01)
+    finally:
+      done.set()
+
+  threading.Thread(target=evaluate, daemon=True).start()
+  deadline = time.monotonic() + 60
+  while not evaluated and time.monotonic() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.5)  # Many polls with no training run: the job must still wait for this one.
+  assert not done.is_set(), evaluated
+  run(config)
+  assert done.wait(60)
+  assert evaluated[0] == 4 and evaluated[-1] == 8, evaluated
 
 
 def test_a_restore_path_at_or_past_training_steps_is_refused_naming_the_key(tmp_path):
