@@ -58,8 +58,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.restore_path = ""
   # JAX's persistent compilation cache, shared by the train and eval
   # processes of a run: None means the cache given to JAX itself if any
-  # (JAX_COMPILATION_CACHE_DIR), else <checkpoint_dir>/compilation_cache;
-  # "" turns it off.
+  # (JAX_COMPILATION_CACHE_DIR), else <checkpoint_dir>/compilation_cache on
+  # accelerators (none on CPU); "" turns it off.
   config.compilation_cache_dir = config_dict.placeholder(str)
 
   # Evaluation.
@@ -287,8 +287,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cache_dir = config.compilation_cache_dir
   if cache_dir == "None":  # What `--config.compilation_cache_dir=None` gives: not a None.
     raise ConfigError("config.compilation_cache_dir='None' is the string 'None': for the "
-                      "default (JAX's own cache if set, else <checkpoint_dir>/compilation_cache) "
-                      "leave it unset; '' turns the cache off")
+                      "default (JAX's own cache if set, else <checkpoint_dir>/compilation_cache "
+                      "off CPU) leave it unset; '' turns the cache off")
   if cache_dir is not None and not isinstance(cache_dir, str):
     raise ConfigError(f"config.compilation_cache_dir={cache_dir!r} must be a directory, \"\" "
                       "(off) or None (the default)")

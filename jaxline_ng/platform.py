@@ -271,10 +271,10 @@ def compilation_cache_dir(config) -> tuple[str | None, str]:
   `config`'s run; the directory is None when the cache is off.
 
   Unset, it is the cache the user gave JAX itself (a cluster's shared cache
-  must not be replaced by one per run), else `<checkpoint_dir>/compilation_cache`.
-  What chose it (a config key and its value, or `_USERS_CACHE`) is the
-  culprit an error names. The config's paths are absolute by now
-  (`_make_paths_absolute`).
+  must not be replaced by one per run), else `<checkpoint_dir>/compilation_cache`
+  on accelerators and none on the CPU backend. What chose it (a config key
+  and its value, or `_USERS_CACHE`) is the culprit an error names. The
+  config's paths are absolute by now (`_make_paths_absolute`).
   """
   given = config.compilation_cache_dir
   if given is not None:
@@ -282,6 +282,12 @@ def compilation_cache_dir(config) -> tuple[str | None, str]:
   users = _users_cache_dir()
   if users:
     return users, _USERS_CACHE
+  if jax.default_backend() == "cpu":
+    # JAX 0.10's CPU collectives can crash (a segfault, or a failed rendezvous
+    # check in an all-reduce) once the persistent cache is on: kfac-jax's
+    # autoencoder crashed in most runs with it, under jaxline too, and in none
+    # without. On CPU the cache is only where the user asks for it.
+    return None, "the CPU backend"
   return (os.path.join(config.checkpoint_dir, "compilation_cache"),
           f"config.checkpoint_dir={config.checkpoint_dir!r}")
 

@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache: on by default under checkpoint_dir, shared, can be off.
+"""JAX's persistent compilation cache: by default under checkpoint_dir off CPU, shared, can be off.
 
 JAX's own setting (`JAX_COMPILATION_CACHE_DIR`) is kept when the config leaves the key unset.
 """
@@ -32,17 +32,33 @@ def toy(checkpoint_dir, *extra, env=ENV):
   return result.stderr
 
 
-def test_cache_under_checkpoint_dir_is_reused_by_restarts_and_the_eval_job(tmp_path):
+def test_cache_is_reused_by_restarts_and_the_eval_job(tmp_path):
   cache = tmp_path / "compilation_cache"
-  log = toy(tmp_path)
+  on = f"--config.compilation_cache_dir={cache}"
+  log = toy(tmp_path, on)
   assert f"Compilation cache: {cache}" in log
   assert os.listdir(cache)
-  toy(tmp_path, "--config.training_steps=8")  # the first restart adds what restoring compiles
+  toy(tmp_path, on, "--config.training_steps=8")  # the first restart adds what restoring compiles
   after_train = set(os.listdir(cache))
-  toy(tmp_path, "--config.training_steps=12")  # the next one compiles nothing new
+  toy(tmp_path, on, "--config.training_steps=12")  # the next one compiles nothing new
   assert set(os.listdir(cache)) == after_train
-  toy(tmp_path, "--jaxline_mode=eval", "--config.one_off_evaluate")
+  toy(tmp_path, on, "--jaxline_mode=eval", "--config.one_off_evaluate")
   assert set(os.listdir(cache)) > after_train  # the eval job's programs join the same cache
+
+
+def test_on_cpu_the_cache_is_off_unless_asked_for(tmp_path):
+  # JAX's CPU collectives can crash with the cache on (kfac-jax's autoencoder).
+  log = toy(tmp_path)
+  assert "Compilation cache" not in log
+  assert not (tmp_path / "compilation_cache").exists()
+
+
+def test_off_cpu_the_cache_defaults_to_the_checkpoint_dir(tmp_path, monkeypatch):
+  monkeypatch.setattr(platform, "_users_cache_dir", lambda: None)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  config = base_config.get_base_config()
+  config.checkpoint_dir = str(tmp_path)
+  assert platform.compilation_cache_dir(config)[0] == str(tmp_path / "compilation_cache")
 
 
 def test_cache_can_be_moved_and_turned_off(tmp_path):
