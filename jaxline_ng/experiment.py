@@ -38,10 +38,8 @@ class AbstractExperiment(abc.ABC):
   NON_BROADCAST_CHECKPOINT_ATTRS: Mapping[str, str] = {}
 
   def __init__(self, mode: str, init_rng: jax.Array | None = None):
-    """Sets nothing, as jaxline's: a subclass keeps what it needs.
-
-    A subclass may set `self.init_rng` before calling
-    `super().__init__(mode=mode)`, which would otherwise overwrite it.
+    """Sets nothing, as jaxline's: a subclass keeps what it needs (a
+    `self.init_rng` it set before calling this stays).
 
     Args:
       mode: the `--jaxline_mode` the experiment runs in ("train", "eval", ...).
