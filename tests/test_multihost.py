@@ -45,9 +45,10 @@ def final_params(checkpoint_dir):
 
 def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_path):
   run_dir = tmp_path / "multi"
-  # The default compilation cache: under the run's directory.
+  # A compilation cache under the run's directory (the default off CPU).
   env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   result = launch(toy(run_dir, "--config.training_steps=20",
+                      f"--config.compilation_cache_dir={run_dir / 'compilation_cache'}",
                       f"--config.experiment_kwargs.config.record_keys_dir={tmp_path}"), env=env)
   assert result.returncode == 0, result.stdout[-4000:]
   single_process(toy(tmp_path / "single", "--config.training_steps=20"))
