@@ -142,6 +142,30 @@ def _numbers(values: dict[str, Any]) -> dict[str, Any]:
   return values
 
 
+class _DifferingCopies:
+  """Warns, once per entry, of CHECKPOINT_ATTRS whose copies differ between
+  devices, looked for after the first step and at the first save: state that
+  devices bring together only every few steps (K-FAC's curvature estimates)
+  can still agree after the first step."""
+
+  def __init__(self, experiment: Any | None):
+    self._experiment = experiment  # None where this process does not save.
+    self._warned: set[str] = set()
+    self.looked_at_a_save = False
+
+  def look(self, when: str) -> None:
+    if self._experiment is None:
+      return
+    for attr in experiment_lib.differing_copies(self._experiment):
+      if attr not in self._warned:
+        self._warned.add(attr)
+        logging.warning(
+            "[jaxline_ng] CHECKPOINT_ATTRS entry %r differs between devices %s: checkpoints "
+            "keep device 0's copy (as jaxline's did), so a resumed run is not exact. Average it "
+            "over devices (haiku's BatchNorm: cross_replica_axis) or list it in "
+            "NON_BROADCAST_CHECKPOINT_ATTRS.", attr, when)
+
+
 class _FirstStepChecks(periodic.EveryStepAction):
   """A periodic action: stops the run after its first step if what `step`
   returned cannot be logged, or if the experiment's CHECKPOINT_ATTRS cannot
@@ -154,8 +178,9 @@ class _FirstStepChecks(periodic.EveryStepAction):
   read, by logging (`host_scalars_of_steps`); the loop pays for no check.
   """
 
-  def __init__(self, experiment: Any | None):
+  def __init__(self, experiment: Any | None, differing_copies: _DifferingCopies):
     self._experiment = experiment  # None where this process does not save.
+    self._differing_copies = differing_copies
     self._done = False
 
   def __call__(self, t: float, step: int, scalars: Any) -> None:
@@ -168,12 +193,7 @@ class _FirstStepChecks(periodic.EveryStepAction):
       problem = experiment_lib.checkpoint_attrs_problem(self._experiment)
       if problem:
         raise experiment_lib.CheckpointAttrsError(problem)
-      for attr in experiment_lib.differing_copies(self._experiment):
-        logging.warning(
-            "[jaxline_ng] CHECKPOINT_ATTRS entry %r differs between devices after the first "
-            "step: checkpoints keep device 0's copy (as jaxline's did), so a resumed run is not "
-            "exact. Average it over devices (haiku's BatchNorm: cross_replica_axis) or list it in "
-            "NON_BROADCAST_CHECKPOINT_ATTRS.", attr)
+      self._differing_copies.look("after the first step")
 
 
 def _interval_type(config, specific_key: str) -> str:
@@ -229,7 +249,8 @@ class _SaveAction(periodic.PeriodicAction):
 
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
                               guard: guards.NonFiniteGuard,
-                              peer_checks: guards.PeerChecks | None = None):
+                              peer_checks: guards.PeerChecks | None = None,
+                              differing_copies: _DifferingCopies | None = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
   The guard sees what logging and writing copy to the host, and each save
@@ -298,6 +319,10 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if durable:
       _flush_metrics(actions.get("write"), writer, config.log_all_train_data)
+    if (differing_copies is not None and not differing_copies.looked_at_a_save
+        and state.global_step > start_step):  # Not an initial save, before any step.
+      differing_copies.looked_at_a_save = True
+      differing_copies.look(f"at the first save (step {state.global_step})")
     if validates:
       checkpointer.save("latest", validate=guard.seal(
           then=peer_checks and peer_checks.before_save(state.global_step)))
@@ -415,8 +440,10 @@ def train(experiment_class, config, checkpointer, writer,
     peer_checks = guards.PeerChecks(guard)
     if not save_checkpoints:
       peer_checks.answer()
+  differing_copies = _DifferingCopies(state.experiment_module if save_checkpoints else None)
   default_actions, save_latest = _default_periodic_actions(
-      config, checkpointer, writer, state, save_checkpoints, guard, peer_checks)
+      config, checkpointer, writer, state, save_checkpoints, guard, peer_checks,
+      differing_copies)
   for action in periodic_actions:  # As jaxline: the caller's actions count from now.
     if hasattr(action, "update_time"):
       action.update_time(time.time(), state.global_step)
@@ -427,7 +454,8 @@ def train(experiment_class, config, checkpointer, writer,
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
         steps_completed=state.global_step))
   # A tuple, as jaxline's: published train_loop overrides add theirs with `+ (action,)`.
-  actions = (_FirstStepChecks(state.experiment_module if save_checkpoints else None),
+  actions = (_FirstStepChecks(state.experiment_module if save_checkpoints else None,
+                              differing_copies),
              *periodic_actions, *own_actions)
   if config.save_initial_train_checkpoint and save_checkpoints and not resumed:
     save_latest()

@@ -460,6 +460,33 @@ def test_checkpoint_attrs_that_differ_per_device_save_the_first_devices_with_a_w
   assert "differs between devices" not in caplog.text
 
 
+class StatsDifferFromTheSecondStep(Counting):
+  """Per-device state the devices bring together every few steps, equal after
+  the first (K-FAC's curvature estimates)."""
+  CHECKPOINT_ATTRS = {"_count": "count", "_stats": "stats"}
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._stats = utils.bcast_local_devices(jnp.zeros(3))
+    self._drift = jax.pmap(lambda x: x + jax.lax.axis_index("i"), axis_name="i")
+
+  def step(self, global_step, rng, writer):
+    if int(utils.get_first(global_step)) >= 1:
+      self._stats = self._drift(self._stats)
+    return super().step(global_step, rng, writer)
+
+
+def test_checkpoint_attrs_that_differ_only_after_the_first_step_are_warned_of_at_the_first_save(
+    caplog):
+  config = make_config(training_steps=6, save_checkpoint_interval=2)
+  train.train(StatsDifferFromTheSecondStep, config,
+              checkpointing.InMemoryCheckpointer(config, "train"), None)
+  warnings = [r.getMessage() for r in caplog.records if "differs between devices" in r.getMessage()]
+  assert len(warnings) == 1, warnings  # Once, not at every save.
+  assert warnings[0].startswith("[jaxline_ng] CHECKPOINT_ATTRS entry '_stats' differs between "
+                                "devices at the first save (step 2): "), warnings
+
+
 @pytest.mark.parametrize("experiment_class, shape", [
     (OneDeviceInAttrs, "(4, 3)"), (OtherLeadingAxisInAttrs, "(5, 3)")])
 def test_checkpoint_attrs_not_one_copy_per_device_stop_the_run_after_its_first_step(
