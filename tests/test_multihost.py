@@ -311,6 +311,27 @@ def test_processes_may_reach_one_checkpoint_dir_by_different_paths_but_not_two_d
       "shares" in result.stdout, result.stdout[-4000:]
 
 
+def test_a_difference_from_a_chief_that_has_failed_since_exits_on_the_chiefs_failure(
+    monkeypatch):
+  # Process 0 published its lock, failed on the config and released the lock:
+  # process 1 then saw no lock, and named that instead of the config error.
+  monkeypatch.setattr(multihost, "is_multiprocess", lambda: True)
+  monkeypatch.setattr(multihost, "is_chief", lambda: False)
+  monkeypatch.setattr(multihost, "key_value_wait",
+                      lambda key, give_up: json.dumps({"lock": "process 7 on host h"}))
+  monkeypatch.setattr(multihost, "published_failure", lambda: "0 1 config.x=1 is wrong")
+  exits = []
+
+  def exit_for_peer(process, exit_code, message):
+    exits.append((process, exit_code, message))
+    raise SystemExit(exit_code)
+
+  monkeypatch.setattr(multihost, "_exit_for_peer", exit_for_peer)
+  with pytest.raises(SystemExit):
+    multihost.check_same_as_chief("sees config.checkpoint_dir", lambda: {"lock": None}, "why")
+  assert exits == [(0, 1, "config.x=1 is wrong")]
+
+
 def test_mesh_saves_timed_in_seconds_are_refused_at_once_naming_the_key(tmp_path):
   # Every process writes its shards of a mesh-mode save, so each must save the
   # same step; each one's own clock would pick another, and the collective abort.
