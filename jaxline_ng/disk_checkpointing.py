@@ -1175,7 +1175,7 @@ class DiskCheckpointer:
         self._move_aside([p for p, _ in failures], ckpt_series)
       self.unloadable_newer = [p for p, _ in failures]
       checkpointing.restore_snapshot(state, nest)
-      if self.started_from == candidate:
+      if starting and training:
         logging.info("[jaxline_ng] Started from config.restore_path's checkpoint %s (step %d); "
                      "this run saves to %s.", candidate, state.global_step,
                      self._series_dir(ckpt_series))

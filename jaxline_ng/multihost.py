@@ -448,12 +448,13 @@ def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str
   mine, chiefs = json.loads(json.dumps(facts())), json.loads(chiefs)
   differing = [key for key in sorted(set(mine) | set(chiefs))
                if not run_record.same_value(mine.get(key), chiefs.get(key))]
-  if differing and (failure := published_failure()) is not None:
-    # Process 0 failed after publishing its facts, undoing what they describe
-    # (its lock is released): its failure is the news, not the difference.
-    process, exit_code, message = failure.split(" ", 2)
-    _exit_for_peer(int(process), int(exit_code), message)
   if differing:
+    if (failure := published_failure()) is not None:
+      # Process 0 failed after publishing its facts, undoing what they
+      # describe (its lock is released): its failure is the news, not the
+      # difference.
+      process, exit_code, message = failure.split(" ", 2)
+      _exit_for_peer(int(process), int(exit_code), message)
     shown = ", ".join(f"{key}={mine.get(key, '<absent>')!r} (process 0: "
                       f"{chiefs.get(key, '<absent>')!r})" for key in differing[:3])
     more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""

@@ -151,7 +151,12 @@ class _DifferingCopies:
   def __init__(self, experiment: Any | None):
     self._experiment = experiment  # None where this process does not save.
     self._warned: set[str] = set()
-    self.looked_at_a_save = False
+    self._looked_at_a_save = False
+
+  def look_at_the_first_save(self, step: int) -> None:
+    if not self._looked_at_a_save:
+      self._looked_at_a_save = True
+      self.look(f"at the first save (step {step})")
 
   def look(self, when: str) -> None:
     if self._experiment is None:
@@ -249,8 +254,8 @@ class _SaveAction(periodic.PeriodicAction):
 
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
                               guard: guards.NonFiniteGuard,
-                              peer_checks: guards.PeerChecks | None = None,
-                              differing_copies: _DifferingCopies | None = None):
+                              differing_copies: _DifferingCopies,
+                              peer_checks: guards.PeerChecks | None = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
   The guard sees what logging and writing copy to the host, and each save
@@ -319,10 +324,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if durable:
       _flush_metrics(actions.get("write"), writer, config.log_all_train_data)
-    if (differing_copies is not None and not differing_copies.looked_at_a_save
-        and state.global_step > start_step):  # Not an initial save, before any step.
-      differing_copies.looked_at_a_save = True
-      differing_copies.look(f"at the first save (step {state.global_step})")
+    if state.global_step > start_step:  # Not an initial save, before any step.
+      differing_copies.look_at_the_first_save(state.global_step)
     if validates:
       checkpointer.save("latest", validate=guard.seal(
           then=peer_checks and peer_checks.before_save(state.global_step)))
@@ -442,8 +445,8 @@ def train(experiment_class, config, checkpointer, writer,
       peer_checks.answer()
   differing_copies = _DifferingCopies(state.experiment_module if save_checkpoints else None)
   default_actions, save_latest = _default_periodic_actions(
-      config, checkpointer, writer, state, save_checkpoints, guard, peer_checks,
-      differing_copies)
+      config, checkpointer, writer, state, save_checkpoints, guard, differing_copies,
+      peer_checks)
   for action in periodic_actions:  # As jaxline: the caller's actions count from now.
     if hasattr(action, "update_time"):
       action.update_time(time.time(), state.global_step)
