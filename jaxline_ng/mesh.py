@@ -130,6 +130,11 @@ def global_batch(local_batch: Any, *spec: Any) -> Any:
   return multihost.global_batch(local_batch, current_mesh(), PartitionSpec(*spec))
 
 
+def global_batch_from_every_row(batch: Any, *spec: Any) -> Any:
+  """A global batch sharded by `spec` from the whole batch, which every process passes alike."""
+  return multihost.global_batch_from_every_row(batch, current_mesh(), PartitionSpec(*spec))
+
+
 def restore_like(live: Any, saved: Any) -> Any:
   """Places saved host values with the shardings of the live values they replace."""
 

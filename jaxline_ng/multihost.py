@@ -19,6 +19,18 @@ failure in one process is published in the distributed runtime's key-value
 store, and every other process exits at once with the same code
 (`exit_when_a_peer_fails`), instead of waiting in a collective that will
 never complete.
+
+One rule keeps multi-process runs from deadlocking: every process issues its
+cross-process device collectives in the same order. A collective here is any
+computation over devices of several processes (a jitted step over global
+arrays, `process_allgather`, and `jax.device_put` of a host value onto such
+devices, which checks the value agrees across processes with one). jaxline_ng
+issues them on the training thread only (the thread running `train` or
+`evaluate`, which `own_collectives` names); everything it does across
+processes from other threads (stop agreement, failures, checks, barriers) goes
+through the distributed runtime's key-value store instead. The helpers below
+that run a collective refuse another thread; `global_batch` runs none, so a
+prefetch thread may call it.
 """
 
 import atexit
@@ -174,9 +186,45 @@ def is_chief() -> bool:
 
 
 def rendezvous(name: str = "jaxline_ng") -> None:
-  """Blocks until every process reaches this point (a no-op with one process)."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
+  """Blocks until every process reaches this point (a no-op with one process).
+
+  A barrier in the key-value store, not a device collective: any thread may
+  wait at it. Every process must pass the same names in the same order.
+  Once a process has published a failure it returns at once: that failure
+  ends this process too (`exit_when_a_peer_fails`).
+  """
+  if not is_multiprocess():
+    return
+  _barriers[name] = _barriers.get(name, 0) + 1
+  every_process_value(f"rendezvous/{name}/{_barriers[name]}", "")
+
+
+# How often each barrier name has been passed, so a name can be used again.
+_barriers: dict[str, int] = {}
+# The thread that issues this process's cross-process collectives.
+_collectives_thread: threading.Thread | None = None
+
+
+def own_collectives() -> None:
+  """Makes the calling thread the one that issues cross-process collectives
+  (`train` and `evaluate` call it as they start)."""
+  global _collectives_thread  # pylint: disable=global-statement
+  _collectives_thread = threading.current_thread()
+
+
+def _check_collective_thread(what: str) -> None:
+  """Raises CollectiveThreadError if a collective would be issued off the training thread."""
+  thread = threading.current_thread()
+  if is_multiprocess() and _collectives_thread not in (None, thread):
+    raise CollectiveThreadError(
+        f"{what} is a collective across processes, called on thread {thread.name!r}: every "
+        "process must issue collectives in one order, so call it from step or evaluate (the "
+        f"training thread, {_collectives_thread.name!r}), never from a prefetch or other "
+        "background thread")
+
+
+class CollectiveThreadError(RuntimeError):
+  """A cross-process collective was called off the training thread."""
 
 
 barrier = rendezvous
@@ -207,12 +255,14 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
 
   Each process passes its own rows (its `host_slice` of the global batch);
   the result is the global batch, every process's rows in process order,
-  for jit / shard_map code (pmap code passes local arrays). When `spec`
-  puts rows on a process's devices that another process holds (a mesh
-  whose batch axis does not span the processes, such as `data:1,model:4`
-  over 2 processes, or a replicated batch), every call first gathers all
-  processes' rows, a collective: load every row in each process instead
-  if that costs too much.
+  for jit / shard_map code (pmap code passes local arrays). Nothing is
+  communicated, so a prefetch thread may call it.
+
+  Raises:
+    ValueError: `spec` puts rows another process holds on this process's
+      devices (a mesh whose batch axis does not span the processes, such as
+      `data:1,model:4` over 2 processes, or a replicated batch): use
+      `global_batch_from_every_row` then.
   """
   sharding = jax.sharding.NamedSharding(mesh, spec)
   count = jax.process_count()
@@ -223,11 +273,30 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
       return jax.make_array_from_process_local_data(sharding, rows)
     global_shape = (count * rows.shape[0], *rows.shape[1:])
     if not _holds_its_own_rows(sharding, global_shape):
-      # Every process decides alike (same sharding and shapes), so all gather.
-      rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
+      raise ValueError(
+          f"global_batch: mesh {dict(mesh.shape)} with PartitionSpec{tuple(spec)} puts rows "
+          "other processes load on this process's devices; load every row in each process "
+          "and use global_batch_from_every_row (mesh.global_batch_from_every_row)")
     return jax.make_array_from_process_local_data(sharding, rows, global_shape)
 
   return jax.tree.map(assemble, local_batch)
+
+
+def global_batch_from_every_row(batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
+  """Global `jax.Array`s sharded by `spec` over `mesh`, from the whole batch.
+
+  Every process passes the same rows (data that is a function of the step
+  and seed); each places only the rows its devices hold. Nothing is
+  communicated, so a prefetch thread may call it, where `jax.device_put` of
+  the batch would check with a collective that the processes agree.
+  """
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+
+  def place(rows):
+    rows = np.asarray(rows)
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+  return jax.tree.map(place, batch)
 
 
 @functools.cache
@@ -254,6 +323,7 @@ def broadcast_from_chief(tree: Any) -> Any:
   """Process 0's value of `tree` on every process (e.g. a seed or a file list)."""
   if jax.process_count() == 1:
     return tree
+  _check_collective_thread("broadcast_from_chief")
   return multihost_utils.broadcast_one_to_all(tree)
 
 
@@ -261,6 +331,7 @@ def all_reduce_sum(tree: Any) -> Any:
   """The sum over processes of each process's host values (numpy arrays or numbers)."""
   if jax.process_count() == 1:
     return jax.tree.map(np.asarray, tree)
+  _check_collective_thread("all_reduce_sum")
   gathered = multihost_utils.process_allgather(tree)
   return jax.tree.map(lambda x: np.asarray(x).sum(axis=0), gathered)
 

@@ -381,6 +381,7 @@ def train(experiment_class, config, checkpointer, writer,
                       or _every_process_saves(checkpointer))
   _check_saves_agree(config, checkpointer)
   mesh_lib.activate(config)
+  multihost.own_collectives()
 
   # --- State: construct the experiment, then restore over it. ---
   xla_cpu.reserve_threads()
@@ -704,6 +705,8 @@ def evaluate(experiment_class, config, checkpointer, writer,
     from absl import flags  # Only the command-line path reads the flag.
     jaxline_mode = flags.FLAGS.jaxline_mode
   mesh_lib.activate(config)
+  if multihost.is_multiprocess():  # train_eval_multithreaded is single-process.
+    multihost.own_collectives()
 
   xla_cpu.reserve_threads()
   with experiment_lib.log_activity("experiment init"):

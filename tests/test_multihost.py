@@ -98,7 +98,12 @@ batch = np.arange(2 * jax.device_count() * 3, dtype=np.float32).reshape(-1, 3)
 for shape, spec in [((4, 1), ("data",)), ((1, 4), ("data",)), ((2, 2), ("data",)),
                     ((4, 1), ())]:
   mesh = jax.make_mesh(shape, ("data", "model"))
-  array = multihost.global_batch(multihost.host_slice(batch), mesh, PartitionSpec(*spec))
+  try:
+    array = multihost.global_batch(multihost.host_slice(batch), mesh, PartitionSpec(*spec))
+    print(f"mesh {shape} spec {spec}: from this process's rows", flush=True)
+  except ValueError as e:
+    print(f"mesh {shape} spec {spec}: refused: {e}", flush=True)
+    array = multihost.global_batch_from_every_row(batch, mesh, PartitionSpec(*spec))
   expected = NamedSharding(mesh, PartitionSpec(*spec)).devices_indices_map(batch.shape)
   right = array.shape == batch.shape and all(
       np.array_equal(np.asarray(shard.data), batch[expected[shard.device]])
@@ -118,14 +123,22 @@ print(f"typed key replicated: {'right' if same and key.shape == () else 'WRONG'}
 
 def test_global_batch_is_every_process_rows_whatever_mesh_axis_holds_the_batch(tmp_path):
   # With data:1,model:4 over 2 processes each device holds the whole batch,
-  # half of which the other process has: it was silently half a batch.
+  # half of which the other process has: it was silently half a batch, then
+  # gathered with a collective that deadlocked against the training step when
+  # called from a prefetch thread. Such layouts are now refused by name and
+  # served, without communication, from every row.
   script = tmp_path / "global_batch.py"
   script.write_text(GLOBAL_BATCH)
   result = launch([sys.executable, str(script)], timeout=120)
   assert result.returncode == 0, result.stdout[-4000:]
   for process in range(2):
-    for shape, spec in [((4, 1), ("data",)), ((1, 4), ("data",)), ((2, 2), ("data",)),
-                        ((4, 1), ())]:
+    for shape, spec, how in [((4, 1), ("data",), "from this process's rows"),
+                             ((2, 2), ("data",), "from this process's rows"),
+                             ((1, 4), ("data",), "refused: global_batch: mesh {'data': 1, "
+                              "'model': 4} with PartitionSpec('data',) puts rows other "
+                              "processes load on this process's devices"),
+                             ((4, 1), (), "refused: global_batch: mesh")]:
+      assert f"[p{process}] mesh {shape} spec {spec}: {how}" in result.stdout, result.stdout
       assert f"[p{process}] mesh {shape} spec {spec}: right" in result.stdout, result.stdout
     assert f"[p{process}] typed key replicated: right" in result.stdout, result.stdout
 
@@ -485,3 +498,56 @@ def test_processes_with_different_device_counts_stop_at_once_naming_them(tmp_pat
   assert result.returncode == 1, result.stdout[-4000:]
   assert ("[p1] jaxline_ng: error: process 1 was launched unlike process 0: local devices=4 "
           "(process 0: 2)") in result.stdout, result.stdout[-4000:]
+
+
+def test_char_lm_in_mesh_mode_over_two_processes_saves_and_resumes(tmp_path):
+  # Its batches were gathered across processes on the prefetch thread while
+  # the training thread saved: the collectives met in another order in each
+  # process, and the run hung at its first save, every time.
+  command = [sys.executable, "examples/char_lm/experiment.py",
+             "--config=examples/char_lm/experiment.py:smoke", "--config.placement=mesh",
+             "--config.mesh_shape=data:-1,model:4",
+             "--config.random_mode_train=same_host_same_device", "--config.checkpointer=disk",
+             f"--config.checkpoint_dir={tmp_path}", "--config.tensorboard=False"]
+  first = launch([*command, "--config.training_steps=10"], timeout=150)
+  assert first.returncode == 0, first.stdout[-4000:]
+  assert disk_checkpointing.read(str(tmp_path))[0] == 10
+  resumed = launch([*command, "--config.training_steps=15"], timeout=150)
+  assert resumed.returncode == 0, resumed.stdout[-4000:]
+  assert resumed.stdout.count(os.path.join("latest", "10") + ".") == 2  # Both restored step 10.
+  assert disk_checkpointing.read(str(tmp_path))[0] == 15
+
+
+COLLECTIVE_OFF_THREAD = """
+import sys, threading
+import numpy as np
+from absl import flags
+from jaxline_ng import multihost
+flags.FLAGS(sys.argv)
+multihost.initialize_if_requested()
+multihost.own_collectives()
+print("sum on the training thread:", multihost.all_reduce_sum(np.ones(2)).tolist(), flush=True)
+def off_thread():
+  try:
+    multihost.all_reduce_sum(np.ones(2))
+  except multihost.CollectiveThreadError as e:
+    print("refused:", e, flush=True)
+  multihost.rendezvous("twice")  # A barrier through the store: any thread, any number of times.
+  multihost.rendezvous("twice")
+  print("passed the barrier twice", flush=True)
+thread = threading.Thread(target=off_thread, name="py_prefetch")
+thread.start()
+thread.join()
+"""
+
+
+def test_a_collective_off_the_training_thread_is_refused_and_barriers_take_any_thread(tmp_path):
+  script = tmp_path / "collective_off_thread.py"
+  script.write_text(COLLECTIVE_OFF_THREAD)
+  result = launch([sys.executable, str(script)], timeout=120)
+  assert result.returncode == 0, result.stdout[-4000:]
+  for process in range(2):
+    assert f"[p{process}] sum on the training thread: [2.0, 2.0]" in result.stdout
+    assert (f"[p{process}] refused: all_reduce_sum is a collective across processes, called on "
+            "thread 'py_prefetch'") in result.stdout, result.stdout[-4000:]
+    assert f"[p{process}] passed the barrier twice" in result.stdout

@@ -264,13 +264,19 @@ class Experiment(experiment.AbstractExperiment):
     offsets = np.arange(self.config.seq_len + 1)
     position = first_example
     while True:
-      mine = position + jax.process_index() * per_process
-      starts = window_starts(mine, per_process, num_starts, self.config.data_seed)
-      windows = self._train_text[starts[:, None] + offsets].astype(np.int32)
       if self._mesh is None:
+        mine = position + jax.process_index() * per_process
+        starts = window_starts(mine, per_process, num_starts, self.config.data_seed)
+        windows = self._train_text[starts[:, None] + offsets].astype(np.int32)
         yield windows.reshape(num_local, self._per_device_batch, -1)
       else:
-        yield mesh.global_batch(windows, "data")
+        # Every process makes the whole batch (cheap, and a function of the
+        # position) and places the rows its devices hold, whatever the mesh:
+        # nothing is communicated on this prefetch thread.
+        starts = window_starts(position, self.config.global_batch_size, num_starts,
+                               self.config.data_seed)
+        windows = self._train_text[starts[:, None] + offsets].astype(np.int32)
+        yield mesh.global_batch_from_every_row(windows, "data")
       position += self.config.global_batch_size
 
   def _update(self, params, opt_state, windows, rng, global_step, axis_name="i"):
