@@ -29,8 +29,8 @@ issues them on the training thread only (the thread running `train` or
 `evaluate`, which `own_collectives` names); everything it does across
 processes from other threads (stop agreement, failures, checks, barriers) goes
 through the distributed runtime's key-value store instead. The helpers below
-that run a collective refuse another thread; `global_batch` runs none, so a
-prefetch thread may call it.
+that run a collective refuse another thread, so a prefetch thread that would
+issue one stops naming it instead of hanging the run.
 """
 
 import atexit
@@ -255,14 +255,15 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
 
   Each process passes its own rows (its `host_slice` of the global batch);
   the result is the global batch, every process's rows in process order,
-  for jit / shard_map code (pmap code passes local arrays). Nothing is
-  communicated, so a prefetch thread may call it.
+  for jit / shard_map code (pmap code passes local arrays). When `spec`
+  puts rows on a process's devices that another process holds (a mesh
+  whose batch axis does not span the processes, such as `data:1,model:4`
+  over 2 processes, or a replicated batch), every call first gathers all
+  processes' rows, a collective: the training thread may do that, a
+  prefetch thread uses `global_batch_from_every_row` instead.
 
   Raises:
-    ValueError: `spec` puts rows another process holds on this process's
-      devices (a mesh whose batch axis does not span the processes, such as
-      `data:1,model:4` over 2 processes, or a replicated batch): use
-      `global_batch_from_every_row` then.
+    CollectiveThreadError: a gather is needed off the training thread.
   """
   sharding = jax.sharding.NamedSharding(mesh, spec)
   count = jax.process_count()
@@ -273,10 +274,11 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
       return jax.make_array_from_process_local_data(sharding, rows)
     global_shape = (count * rows.shape[0], *rows.shape[1:])
     if not _holds_its_own_rows(sharding, global_shape):
-      raise ValueError(
-          f"global_batch: mesh {dict(mesh.shape)} with PartitionSpec{tuple(spec)} puts rows "
-          "other processes load on this process's devices; load every row in each process "
-          "and use global_batch_from_every_row (mesh.global_batch_from_every_row)")
+      # Every process decides alike (same sharding and shapes), so all gather.
+      _check_collective_thread(
+          f"global_batch over mesh {dict(mesh.shape)} with PartitionSpec{tuple(spec)} (it "
+          "gathers rows other processes load; global_batch_from_every_row does not)")
+      rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
     return jax.make_array_from_process_local_data(sharding, rows, global_shape)
 
   return jax.tree.map(assemble, local_batch)

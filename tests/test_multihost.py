@@ -87,28 +87,36 @@ def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_p
 
 
 GLOBAL_BATCH = """
-import sys
+import sys, threading
 import jax, numpy as np
 from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxline_ng import multihost
 flags.FLAGS(sys.argv)
 multihost.initialize_if_requested()
+multihost.own_collectives()
 batch = np.arange(2 * jax.device_count() * 3, dtype=np.float32).reshape(-1, 3)
 for shape, spec in [((4, 1), ("data",)), ((1, 4), ("data",)), ((2, 2), ("data",)),
                     ((4, 1), ())]:
   mesh = jax.make_mesh(shape, ("data", "model"))
-  try:
-    array = multihost.global_batch(multihost.host_slice(batch), mesh, PartitionSpec(*spec))
-    print(f"mesh {shape} spec {spec}: from this process's rows", flush=True)
-  except ValueError as e:
-    print(f"mesh {shape} spec {spec}: refused: {e}", flush=True)
-    array = multihost.global_batch_from_every_row(batch, mesh, PartitionSpec(*spec))
   expected = NamedSharding(mesh, PartitionSpec(*spec)).devices_indices_map(batch.shape)
-  right = array.shape == batch.shape and all(
-      np.array_equal(np.asarray(shard.data), batch[expected[shard.device]])
-      for shard in array.addressable_shards)
-  print(f"mesh {shape} spec {spec}: {'right' if right else 'WRONG'}", flush=True)
+  def check(array, how):
+    right = array.shape == batch.shape and all(
+        np.array_equal(np.asarray(shard.data), batch[expected[shard.device]])
+        for shard in array.addressable_shards)
+    print(f"mesh {shape} spec {spec}{how}: {'right' if right else 'WRONG'}", flush=True)
+  check(multihost.global_batch(multihost.host_slice(batch), mesh, PartitionSpec(*spec)), "")
+  def prefetch():
+    try:
+      check(multihost.global_batch(multihost.host_slice(batch), mesh, PartitionSpec(*spec)),
+            " prefetched")
+    except multihost.CollectiveThreadError as e:
+      print(f"mesh {shape} spec {spec} prefetched: refused: {e}", flush=True)
+    check(multihost.global_batch_from_every_row(batch, mesh, PartitionSpec(*spec)),
+          " prefetched from every row")
+  thread = threading.Thread(target=prefetch, name="py_prefetch")
+  thread.start()
+  thread.join()
 # A typed key put on a mesh over both processes (a key lives on one device).
 from jaxline_ng import base_config, mesh as mesh_lib
 config = base_config.get_base_config()
@@ -123,23 +131,25 @@ print(f"typed key replicated: {'right' if same and key.shape == () else 'WRONG'}
 
 def test_global_batch_is_every_process_rows_whatever_mesh_axis_holds_the_batch(tmp_path):
   # With data:1,model:4 over 2 processes each device holds the whole batch,
-  # half of which the other process has: it was silently half a batch, then
-  # gathered with a collective that deadlocked against the training step when
-  # called from a prefetch thread. Such layouts are now refused by name and
-  # served, without communication, from every row.
+  # half of which the other process has: it was silently half a batch. The
+  # gather that fills it is a collective: from a prefetch thread it met the
+  # training step's collectives in another order in each process, and the
+  # run hung; there it is refused by name, and every row serves instead.
   script = tmp_path / "global_batch.py"
   script.write_text(GLOBAL_BATCH)
   result = launch([sys.executable, str(script)], timeout=120)
   assert result.returncode == 0, result.stdout[-4000:]
   for process in range(2):
-    for shape, spec, how in [((4, 1), ("data",), "from this process's rows"),
-                             ((2, 2), ("data",), "from this process's rows"),
-                             ((1, 4), ("data",), "refused: global_batch: mesh {'data': 1, "
-                              "'model': 4} with PartitionSpec('data',) puts rows other "
-                              "processes load on this process's devices"),
-                             ((4, 1), (), "refused: global_batch: mesh")]:
-      assert f"[p{process}] mesh {shape} spec {spec}: {how}" in result.stdout, result.stdout
-      assert f"[p{process}] mesh {shape} spec {spec}: right" in result.stdout, result.stdout
+    for shape, spec, gathers in [((4, 1), ("data",), False), ((1, 4), ("data",), True),
+                                 ((2, 2), ("data",), False), ((4, 1), (), True)]:
+      for how in ("", " prefetched from every row") + (() if gathers else (" prefetched",)):
+        assert f"[p{process}] mesh {shape} spec {spec}{how}: right" in result.stdout, \
+            result.stdout
+      refused = (f"[p{process}] mesh {shape} spec {spec} prefetched: refused: global_batch over "
+                 "mesh")
+      assert (refused in result.stdout) == gathers, result.stdout
+    assert ("called on thread 'py_prefetch': every process must issue collectives in one order"
+            in result.stdout)
     assert f"[p{process}] typed key replicated: right" in result.stdout, result.stdout
 
 
