@@ -76,6 +76,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.non_finite_policy = "halt"
   # Stop training gracefully (saved, exit code 75) after this many seconds.
   config.wall_clock_budget_secs = config_dict.placeholder(float)
+  # End a run no step of which has finished for this long, logging every
+  # thread's stack (exit 1): None is 20 x the slowest step, at least 600 s; 0 is off.
+  config.step_timeout_secs = config_dict.placeholder(float)
   # (first, stop): record a profiler trace of the steps first..stop-1.
   config.profile_steps = ()
   # Refuse to resume from a checkpoint made with a different config.
@@ -99,8 +102,8 @@ def get_base_config() -> ml_collections.ConfigDict:
 KEYS_BEYOND_JAXLINE = (
     "tensorboard", "checkpoint_dir", "checkpointer", "restore_path", "compilation_cache_dir",
     "eval_poll_interval_secs", "eval_specific_checkpoint_dir", "non_finite_policy",
-    "wall_clock_budget_secs", "profile_steps", "strict_resume_config", "placement",
-    "mesh_shape")
+    "wall_clock_budget_secs", "step_timeout_secs", "profile_steps", "strict_resume_config",
+    "placement", "mesh_shape")
 
 
 class ConfigError(ValueError):
@@ -239,6 +242,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   budget = config.wall_clock_budget_secs
   if budget is not None and not budget > 0:
     raise ConfigError(f"config.wall_clock_budget_secs={budget!r} must be positive or None")
+  step_timeout = config.step_timeout_secs
+  if step_timeout is not None and not 0 <= step_timeout < math.inf:
+    raise ConfigError(f"config.step_timeout_secs={step_timeout!r} must be >= 0 (0: no "
+                      "watchdog) or None (automatic)")
 
   window = tuple(config.profile_steps or ())
   if window and (len(window) != 2 or not all(isinstance(s, int) for s in window)

@@ -9,20 +9,25 @@ runtime) and `devices_per_process` fake CPU devices. Their output is
 interleaved line by line, each line prefixed `[p<i>]`; the launcher's own
 lines (`[launch]`) give each process's pid at the start, to signal one of
 them, and each exit code at the end. A SIGTERM or Ctrl-C to the launcher is
-passed on to every process as SIGTERM.
+passed on to every process as SIGTERM; processes still running
+`--stop_grace_secs` later are killed with their process groups, named, and
+the launcher exits non-zero.
 
 The processes of a jaxline_ng run end together (`jaxline_ng.multihost`):
 the launcher waits for all of them and exits with 75 when the run was
 stopped on request (every process exited 75), with the code of the process
 that failed first otherwise (128 + N for a death by signal N, as shells
 report it), and 0 when every process did. Processes still running well after
-another ended are stopped; on Linux, a launcher killed outright (`kill -9`)
-leaves none running: each gets SIGTERM, saves and exits 75.
+another ended are stopped. On Linux a launcher killed outright (`kill -9`)
+leaves none running: each gets SIGTERM, saves and exits 75, and one still
+running `--stop_grace_secs` later ends itself (`watch_the_launcher`).
 """
 
 import argparse
+import contextlib
 import ctypes
 import errno
+import faulthandler
 import os
 import re
 import shutil
@@ -48,6 +53,11 @@ def _stop_with_the_launcher() -> None:
 # How long stopped processes get to exit on SIGTERM before SIGKILL. Short: a
 # process whose peer died may wait on a collective that will never complete.
 _STOP_GRACE_SECS = 5.0
+# After a SIGTERM or Ctrl-C passed on: long enough for a normal run's final save.
+DEFAULT_STOP_GRACE_SECS = 60.0
+# Set in each process's environment: the launcher's pid and its grace.
+_LAUNCHER_PID_ENV = "JAXLINE_NG_LAUNCHER_PID"
+_GRACE_ENV = "JAXLINE_NG_STOP_GRACE_SECS"
 # jaxline_ng.preemption.EXIT_PREEMPTED (not imported: that would import JAX here).
 _EXIT_PREEMPTED = 75
 # How long the others get to end on their own once a process has ended: they
@@ -130,6 +140,43 @@ def _run_exit_code(processes, ended_at: dict[int, float], named_failures: tuple[
   return 0, None
 
 
+def watch_the_launcher() -> None:
+  """In a process the launcher started: if the launcher dies, ends this
+  process once the launcher's grace has passed since (the process got
+  SIGTERM at its death, and saves and exits 75 within it unless stuck).
+
+  A stuck process would otherwise outlive its launcher, holding its devices
+  and the run's lock against the rerun a scheduler starts.
+  """
+  launcher = os.environ.get(_LAUNCHER_PID_ENV)
+  if not launcher or not launcher.isdigit():
+    return
+  grace = float(os.environ.get(_GRACE_ENV, DEFAULT_STOP_GRACE_SECS))
+  parent = os.getppid()  # The launcher, or a shell it started this command under.
+
+  def launcher_alive():
+    try:
+      os.kill(int(launcher), 0)
+    except ProcessLookupError:
+      return False
+    except PermissionError:  # Its pid was taken by another user's process: it is gone.
+      return False
+    return os.getppid() == parent
+
+  def watch():
+    while launcher_alive():
+      time.sleep(0.5)
+    time.sleep(grace)
+    try:  # The launcher read this process's output: there may be no one to write to.
+      print(f"jaxline_ng: error: the launcher (pid {launcher}) died and this process did not "
+            f"stop within {grace:g} s (--stop_grace_secs): exiting", file=sys.stderr, flush=True)
+      faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    finally:
+      os._exit(1)  # pylint: disable=protected-access  (its stuck threads never return)
+
+  threading.Thread(target=watch, name="jaxline_ng_launcher_watch", daemon=True).start()
+
+
 def port_in_use(port: int) -> bool:
   """Whether TCP `port` is in use on this host.
 
@@ -158,7 +205,7 @@ def port_in_use(port: int) -> bool:
 
 
 def launch(command: list[str], num_processes: int, devices_per_process: int,
-           port: int = 0) -> int:
+           port: int = 0, stop_grace_secs: float = DEFAULT_STOP_GRACE_SECS) -> int:
   """Runs `command` as `num_processes` processes; returns the run's exit code."""
   address = f"127.0.0.1:{port or _free_port()}"
   lock = threading.Lock()
@@ -171,6 +218,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
                JAX_NUM_PROCESSES=str(num_processes),
                JAX_PROCESS_ID=str(index),
                JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               **{_LAUNCHER_PID_ENV: str(os.getpid()), _GRACE_ENV: str(stop_grace_secs)},
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={devices_per_process}"))
     # In a process group of its own: a Ctrl-C at the terminal reaches the
@@ -190,10 +238,13 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     with lock:
       print(f"[launch] process {index}: pid {process.pid}", flush=True)
 
+  passed_on_at: list[float] = []
+
   def pass_on(signum, frame):
     # A scheduler's SIGTERM (or a Ctrl-C) to the launcher is a stop request to
     # every process, which then agree on a step, save it and exit 75.
     del frame
+    passed_on_at.append(time.monotonic())
     with lock:
       print(f"[launch] {signal.Signals(signum).name}: passing it on to every process as SIGTERM",
             flush=True)
@@ -211,6 +262,19 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
       for index, process in enumerate(processes):
         if index not in ended_at and process.poll() is not None:
           ended_at[index] = now
+      if passed_on_at and now - passed_on_at[0] > stop_grace_secs:
+        running = [i for i, p in enumerate(processes) if p.poll() is None]
+        with lock:
+          print(f"[launch] process{'es' if len(running) > 1 else ''} "
+                f"{', '.join(map(str, running))} did not stop within {stop_grace_secs:g}s "
+                "(--stop_grace_secs) of the SIGTERM passed on: killing them", flush=True)
+        for index in running:
+          signalled.add(index)
+          with contextlib.suppress(ProcessLookupError):
+            os.killpg(processes[index].pid, signal.SIGKILL)  # With whatever it started.
+        for process in processes:
+          process.wait()
+        break
       if ended_at:
         patience = (_PEERS_FAIL_SECS if any(_failed(p.returncode) for p in processes)
                     else _PEERS_END_SECS)
@@ -244,6 +308,9 @@ def main(argv=None) -> int:
   parser.add_argument("--num_processes", type=int, default=2)
   parser.add_argument("--devices_per_process", type=int, default=2)
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: pick a free one)")
+  parser.add_argument("--stop_grace_secs", type=float, default=DEFAULT_STOP_GRACE_SECS,
+                      help="after passing a SIGTERM or Ctrl-C on, kill processes still running "
+                      "this much later")
   parser.add_argument("command", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -251,6 +318,8 @@ def main(argv=None) -> int:
     parser.error("give the command to run after --")
   if args.num_processes < 1 or args.devices_per_process < 1:
     parser.error("--num_processes and --devices_per_process must be >= 1")
+  if not args.stop_grace_secs > 0:
+    parser.error(f"--stop_grace_secs={args.stop_grace_secs:g} must be positive")
   if args.port and not 0 < args.port < 65536:
     parser.error(f"--port={args.port} is not a port (1-65535, or 0 to pick a free one)")
   if args.port and port_in_use(args.port):
@@ -260,7 +329,8 @@ def main(argv=None) -> int:
                  "give another, or 0 to pick a free one")
   if shutil.which(command[0]) is None:
     parser.error(f"the command's program {command[0]!r} is not found or not executable")
-  code = launch(command, args.num_processes, args.devices_per_process, args.port)
+  code = launch(command, args.num_processes, args.devices_per_process, args.port,
+                args.stop_grace_secs)
   return code if code >= 0 else 128 - code  # -9 (a SIGKILL) is 137, as shells say.
 
 

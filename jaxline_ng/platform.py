@@ -28,6 +28,7 @@ from jaxline_ng import (
   base_config,
   checkpointing,
   debugging,
+  launch,
   multihost,
   preemption,
   run_lock,
@@ -521,6 +522,7 @@ def main(experiment_class, argv: Sequence[str],
   if config is None:
     raise SystemExit("jaxline_ng: error: --config is required (a config file: path.py[:arg])")
   mode = _MODE.value
+  launch.watch_the_launcher()
   try:
     config = _as_config_dict(config)
     if multihost.initialize_if_requested():

@@ -33,6 +33,7 @@ from jaxline_ng import (
   rng,
   run_lock,
   run_record,
+  watchdog,
   xla_cpu,
 )
 from jaxline_ng import experiment as experiment_lib
@@ -451,8 +452,11 @@ def train(experiment_class, config, checkpointer, writer,
   for action in periodic_actions:  # As jaxline: the caller's actions count from now.
     if hasattr(action, "update_time"):
       action.update_time(time.time(), state.global_step)
+  # Made last: its clock for the first step starts as the loop does.
+  stuck_steps = watchdog.StepWatchdog(config.step_timeout_secs, start_step=state.global_step)
   own_actions = [*default_actions.values(),
-                 preemption.StopCheck(config.wall_clock_budget_secs, start_step=state.global_step)]
+                 preemption.StopCheck(config.wall_clock_budget_secs, start_step=state.global_step),
+                 stuck_steps]
   if config.profile_steps:
     own_actions.append(profiling.ProfileWindow(
         *config.profile_steps, logdir=os.path.join(config.checkpoint_dir, "train", "profile"),
@@ -485,6 +489,7 @@ def train(experiment_class, config, checkpointer, writer,
       with experiment_lib.log_activity("final checkpoint"):
         save_latest()
   except BaseException as error:
+    stuck_steps.close()
     # The rows of the steps run are written before the writer closes (one
     # closed under a queued write would raise a second, misleading error), and
     # saves made before the error still land (the guard vetoes any it covers).
@@ -503,10 +508,13 @@ def train(experiment_class, config, checkpointer, writer,
     raise
 
   # --- Wrap-up: wait for async work. ---
-  checkpointer.wait_for_checkpointing_to_finish()
-  flush_if_possible(writer)
-  # The other processes answer the chief's checks until it has saved.
-  multihost.rendezvous("jaxline_ng_train_end")
+  try:
+    checkpointer.wait_for_checkpointing_to_finish()
+    flush_if_possible(writer)
+    # The other processes answer the chief's checks until it has saved.
+    multihost.rendezvous("jaxline_ng_train_end")
+  finally:
+    stuck_steps.close()
   if peer_checks is not None:
     peer_checks.close()
   if preempted is not None:

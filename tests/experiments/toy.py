@@ -42,7 +42,8 @@ def get_config(arg: str = ""):
       learning_rate=learning_rate,
       dim=3,
       fail_at_step=3 if arg == "fail_at_step" else -1,
-      fail_on_process=-1,  # With fail_at_step: only this process fails (-1: all).
+      fail_on_process=-1,  # With fail_at_step or hang_at_step: only this process (-1: all).
+      hang_at_step=-1,  # This step never returns (a stuck collective, say).
       record_keys_dir="",  # Save each process's first step keys, and every mode's, here.
       step_sleep_secs=0.0,  # Paces the steps, so a test can signal a run mid-way.
       nan_from_step=-1,  # From this step on, the loss returned is NaN ...
@@ -103,6 +104,10 @@ class Experiment(experiment.AbstractExperiment):
     if step == self.config.fail_at_step and self.config.fail_on_process in (
         -1, jax.process_index()):
       raise RuntimeError(f"toy experiment fails at step {step}")
+    if step == self.config.hang_at_step and self.config.fail_on_process in (
+        -1, jax.process_index()):
+      while True:
+        time.sleep(1)
     if step == 0 and self.config.record_keys_dir:
       keys = {"step": np.asarray(rng)}
       for mode in rng_lib.RANDOM_MODES:

@@ -1,0 +1,120 @@
+"""Runs that stop making progress end, saying where, and leave no process behind.
+
+Real processes: the toy experiment with a step that never returns
+(`hang_at_step`), alone and under `jaxline_ng.launch`.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = os.path.join("tests", "experiments", "toy.py")
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def toy(checkpoint_dir, *extra):
+  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
+          "--config.checkpointer=disk", *extra]
+
+
+def alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as f:  # A zombie has ended; its parent has not reaped it.
+    return f.read().split(") ")[1][0] != "Z"
+
+
+class Launch:
+  """A launcher run in the background; its output lines collected as they come."""
+
+  def __init__(self, command, *launcher_flags):
+    self.process = subprocess.Popen(
+        [sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
+         "--devices_per_process=2", *launcher_flags, "--", *command],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.lines: list[str] = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.process.stdout:
+      self.lines.append(line)
+
+  def wait_for(self, text: str, count: int = 1, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(text in line for line in self.lines) < count:
+      assert time.monotonic() < deadline, "".join(self.lines)[-4000:]
+      time.sleep(0.1)
+
+  def pids(self) -> list[int]:
+    return [int(line.split()[-1]) for line in self.lines if line.startswith("[launch] process")
+            and ": pid " in line]
+
+  def output(self) -> str:
+    self._reader.join(timeout=10)
+    return "".join(self.lines)
+
+
+def test_a_step_that_never_returns_ends_the_run_with_every_threads_stack(tmp_path):
+  started = time.monotonic()
+  result = subprocess.run(
+      toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=3",
+          "--config.step_timeout_secs=2"),
+      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1, result.stderr[-4000:]
+  assert time.monotonic() - started < 60
+  assert result.stderr.rstrip().endswith(
+      "jaxline_ng: error: no training step has finished for 2 s (config.step_timeout_secs: "
+      "2 s); the run is stuck after step 3"), result.stderr[-4000:]
+  # Where it is stuck: the training thread's stack, in the experiment's step.
+  assert f'File "{os.path.join(ROOT, TOY)}", line' in result.stderr
+  assert "in step" in result.stderr and "in train_loop" in result.stderr
+
+
+def test_a_process_stuck_in_its_step_ends_the_run_of_two(tmp_path):
+  launch = Launch(toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=3",
+                      "--config.experiment_kwargs.config.fail_on_process=1",
+                      "--config.step_timeout_secs=3"))
+  assert launch.process.wait(timeout=120) == 1, launch.output()[-4000:]
+  output = launch.output()
+  assert ("[p1] jaxline_ng: error: no training step has finished for 3 s "
+          "(config.step_timeout_secs: 3 s); the run is stuck after step 3") in output, output
+  assert "[launch] process 1 failed with exit code 1" in output, output
+  assert not any(alive(pid) for pid in launch.pids())
+
+
+def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path):
+  # It passed SIGTERM on once and waited forever for processes stuck in a step.
+  launch = Launch(toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=2",
+                      "--config.step_timeout_secs=0"), "--stop_grace_secs=3")
+  launch.wait_for("training loop starting", count=2)
+  time.sleep(2)  # Into the step that never returns.
+  launch.process.send_signal(signal.SIGTERM)
+  assert launch.process.wait(timeout=60) != 0
+  output = launch.output()
+  assert ("[launch] processes 0, 1 did not stop within 3s (--stop_grace_secs) of the SIGTERM "
+          "passed on: killing them") in output, output[-4000:]
+  assert not any(alive(pid) for pid in launch.pids())
+
+
+def test_processes_of_a_killed_launcher_end_within_its_grace(tmp_path):
+  # Killed outright, the launcher left both processes of a stuck run running
+  # for good, holding their devices and the run's lock.
+  launch = Launch(toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=2",
+                      "--config.step_timeout_secs=0"), "--stop_grace_secs=2")
+  launch.wait_for("training loop starting", count=2)
+  pids = launch.pids()
+  assert len(pids) == 2
+  time.sleep(2)
+  launch.process.kill()
+  launch.process.wait()
+  deadline = time.monotonic() + 15
+  while any(alive(pid) for pid in pids):
+    assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
+    time.sleep(0.2)
