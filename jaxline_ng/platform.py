@@ -35,6 +35,7 @@ from jaxline_ng import (
   run_record,
   train,
   writers,
+  xla_cpu,
 )
 
 FLAGS = flags.FLAGS
@@ -524,6 +525,7 @@ def main(experiment_class, argv: Sequence[str],
   mode = _MODE.value
   launch.watch_the_launcher()
   try:
+    xla_cpu.check_pool()
     config = _as_config_dict(config)
     if multihost.initialize_if_requested():
       multihost.exit_when_a_peer_fails()

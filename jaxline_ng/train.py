@@ -385,7 +385,7 @@ def train(experiment_class, config, checkpointer, writer,
   multihost.own_collectives()
 
   # --- State: construct the experiment, then restore over it. ---
-  xla_cpu.reserve_threads()
+  xla_cpu.check_pool()
   train_key, init_key = rng.seed_keys(config.random_seed, config.legacy_random_seed_behavior)
   with (rng.keys_compiled_meanwhile(train_key, config.random_mode_train),
         experiment_lib.log_activity("experiment init")):
@@ -716,7 +716,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
   if multihost.is_multiprocess():  # train_eval_multithreaded is single-process.
     multihost.own_collectives()
 
-  xla_cpu.reserve_threads()
+  xla_cpu.check_pool()
   with experiment_lib.log_activity("experiment init"):
     # jaxline initialises the evaluator from the seed's own key.
     experiment = experiment_lib.construct(experiment_class, jaxline_mode,

@@ -15,11 +15,19 @@ when any part of jaxline_ng is imported): enough for the training thread,
 its two logging threads (which stack the scalars they read on the devices),
 the evaluator of `train_eval_multithreaded` and one thread of the
 experiment's own. A `PJRT_NPROC` set by the user is left alone.
+
+A program that starts JAX's backend before importing jaxline_ng (it placed
+arrays at import time) has XLA's default pool, one thread per device: its
+run stops at start naming the `PJRT_NPROC` to set (`check_pool`), rather
+than aborting or hanging in a collective minutes later.
 """
 
 import os
 import re
 import sys
+
+import jax
+from jax._src import xla_bridge
 
 THREADS_PER_DEVICE = 6
 
@@ -53,4 +61,36 @@ def reserve_threads() -> None:
   _reserved.append(threads)
 
 
+class ThreadPoolError(RuntimeError):
+  """XLA's CPU pool started too small for the devices' collectives."""
+  one_line = True  # Reported as one line naming the culprit, not a traceback.
+
+
+def check_pool() -> None:
+  """Sizes the pool if JAX's backend has not started; else makes sure it was
+  sized in time.
+
+  Raises:
+    ThreadPoolError: the backend started before jaxline_ng was imported,
+      with XLA's default pool for several CPU devices.
+  """
+  if not xla_bridge.backends_are_initialized():
+    reserve_threads()
+    return
+  if not _started_before_import or _nproc_at_import is not None:
+    return
+  devices = jax.local_devices(backend="cpu") if jax.default_backend() == "cpu" else []
+  needed = THREADS_PER_DEVICE * len(devices)
+  if len(devices) > 1 and max(os.cpu_count() or 1, len(devices)) < needed:
+    raise ThreadPoolError(
+        f"JAX's CPU backend started before jaxline_ng was imported, with XLA's default thread "
+        f"pool, too small for collectives over {len(devices)} CPU devices (they can abort or "
+        f"hang): set PJRT_NPROC={needed} in the environment, or import jaxline_ng before the "
+        "program first uses JAX")
+
+
+# JAX has no public way to ask whether its backend has started (and so read
+# PJRT_NPROC already); its own bridge module keeps that state.
+_started_before_import = xla_bridge.backends_are_initialized()
+_nproc_at_import = os.environ.get("PJRT_NPROC")
 reserve_threads()

@@ -47,3 +47,39 @@ def test_devices_asked_for_in_code_after_import_are_counted_before_the_backend_s
           "from jaxline_ng import xla_cpu; xla_cpu.reserve_threads()\n"
           "print(os.environ['PJRT_NPROC'], jax.local_device_count())")
   assert run_python(code) == [str(max(os.cpu_count(), xla_cpu.THREADS_PER_DEVICE * 6)), "6"]
+
+
+_LATE_IMPORT = """
+import functools, sys
+import jax, jax.numpy as jnp
+jnp.ones(4).block_until_ready()  # The backend starts, as in a script that builds data at import.
+sys.path.insert(0, "tests/experiments")
+import toy
+from absl import app
+from jaxline_ng import platform
+app.run(functools.partial(platform.main, toy.Experiment))
+"""
+
+
+@pytest.mark.parametrize("pjrt_nproc", [None, "24"])
+def test_a_backend_started_before_jaxline_ng_is_refused_unless_its_pool_was_sized(
+    tmp_path, pjrt_nproc):
+  # Its pmap step ran on XLA's default pool, one thread per device, and
+  # aborted in a collective after 40 s (exit 134), or hung.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+  env.update(PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             **({"PJRT_NPROC": pjrt_nproc} if pjrt_nproc else {}))
+  result = subprocess.run(
+      [sys.executable, "-c", _LATE_IMPORT, "--config=tests/experiments/toy.py",
+       f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=3"],
+      cwd=root, env=env, capture_output=True, text=True, timeout=120)
+  if pjrt_nproc:
+    assert result.returncode == 0, result.stderr[-4000:]
+  else:
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "jaxline_ng: error: JAX's CPU backend started before jaxline_ng was imported, with "
+        "XLA's default thread pool, too small for collectives over 4 CPU devices (they can "
+        "abort or hang): set PJRT_NPROC=24 in the environment, or import jaxline_ng before the "
+        "program first uses JAX")
