@@ -218,6 +218,8 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
                JAX_NUM_PROCESSES=str(num_processes),
                JAX_PROCESS_ID=str(index),
                JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               # Processes started together join within seconds: a wrong address fails fast.
+               JAXLINE_DISTRIBUTED_TIMEOUT=os.environ.get("JAXLINE_DISTRIBUTED_TIMEOUT", "30"),
                **{_LAUNCHER_PID_ENV: str(os.getpid()), _GRACE_ENV: str(stop_grace_secs)},
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={devices_per_process}"))

@@ -89,8 +89,13 @@ class MultihostError(RuntimeError):
   one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
-# JAX's default: long enough for processes that a scheduler starts apart.
-_INITIALIZATION_TIMEOUT_SECS = 300
+_JOIN_TIMEOUT = flags.DEFINE_integer(
+    "jaxline_distributed_timeout", _env_int("JAXLINE_DISTRIBUTED_TIMEOUT") or 300,
+    "Seconds every process may take to join the run before each one that has not "
+    "ends naming its coordinator address (default: $JAXLINE_DISTRIBUTED_TIMEOUT, else "
+    "300, JAX's own; the local launcher sets 30).")
+# JAX's own wait outlasts ours: at its end it aborts the process naming nothing.
+_JAX_TIMEOUT_MARGIN_SECS = 30
 
 
 def initialize_if_requested() -> bool:
@@ -146,16 +151,31 @@ def initialize_if_requested() -> bool:
     return True
   if not _DISTRIBUTED.value and _PROCESS_ID.value == 0:
     _refuse_a_taken_port(int(port))
+  timeout = _JOIN_TIMEOUT.value
+  if not timeout > 0:
+    raise MultihostError(f"--jaxline_distributed_timeout={timeout} must be positive")
+  where = _COORDINATOR.value or "the detected cluster's coordinator"
   # The wait for every process to join cannot fail early (a peer may start
-  # minutes late) and JAX's timeout aborts the process without a word: say
-  # what it waits for, so a process that never comes is found from this line.
-  logging.info("[jaxline_ng] Process %s of %s: joining at %s; JAX waits up to %d s for every "
-               "process, then aborts.", _PROCESS_ID.value, num_processes,
-               _COORDINATOR.value or "the detected cluster", _INITIALIZATION_TIMEOUT_SECS)
+  # late), and JAX's timeout aborts the process without a word: at ours each
+  # process still waiting says which address it was given, and ends.
+  logging.info("[jaxline_ng] Process %s of %s: joining at %s; every process must join within "
+               "%d s (--jaxline_distributed_timeout).", _PROCESS_ID.value, num_processes, where,
+               timeout)
+  joined = threading.Event()
+
+  def give_up_joining():
+    if not joined.wait(timeout):
+      print(f"jaxline_ng: error: process {_PROCESS_ID.value} of {num_processes}: the run's "
+            f"processes did not all join at {where} within {timeout:g} s "
+            "(--jaxline_distributed_timeout): was every process given process 0's address "
+            "and started?", file=sys.stderr, flush=True)
+      os._exit(1)  # pylint: disable=protected-access  (the main thread waits inside JAX)
+
+  threading.Thread(target=give_up_joining, name="jaxline_ng_join", daemon=True).start()
   try:
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                num_processes=num_processes, process_id=_PROCESS_ID.value,
-                               initialization_timeout=_INITIALIZATION_TIMEOUT_SECS)
+                               initialization_timeout=timeout + _JAX_TIMEOUT_MARGIN_SECS)
   except (RuntimeError, ValueError) as e:
     if "before any JAX" in str(e):
       # jaxline never started the runtime, so code written for it may use
@@ -165,6 +185,8 @@ def initialize_if_requested() -> bool:
           "runtime first: call jax.distributed.initialize() at the top of main, or move the "
           "JAX calls after platform.main starts") from None
     raise MultihostError(f"jax.distributed.initialize failed: {e}") from None
+  finally:
+    joined.set()
   logging.info("[jaxline_ng] Process %d of %d; %d local devices of %d.",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())

@@ -6,6 +6,7 @@ Real processes: the toy experiment with a step that never returns
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -118,3 +119,22 @@ def test_processes_of_a_killed_launcher_end_within_its_grace(tmp_path):
   while any(alive(pid) for pid in pids):
     assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
     time.sleep(0.2)
+
+
+def test_a_process_given_another_coordinator_address_ends_the_run_naming_the_addresses(tmp_path):
+  # Process 1 told another port: both waited 5 minutes in JAX's join, then
+  # JAX aborted them naming nothing.
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    wrong = f"127.0.0.1:{s.getsockname()[1]}"
+  command = " ".join(toy(tmp_path, "--jaxline_distributed_timeout=4"))
+  started = time.monotonic()
+  launch = Launch(["sh", "-c", f'[ "$JAX_PROCESS_ID" = 1 ] && '
+                   f'export JAX_COORDINATOR_ADDRESS={wrong}; exec {command}'])
+  assert launch.process.wait(timeout=120) == 1, launch.output()[-4000:]
+  assert time.monotonic() - started < 60
+  output = launch.output()
+  assert (f"[p1] jaxline_ng: error: process 1 of 2: the run's processes did not all join at "
+          f"{wrong} within 4 s (--jaxline_distributed_timeout)") in output, output[-4000:]
+  assert "[p0] jaxline_ng: error: process 0 of 2: the run's processes did not all join at " \
+      "127.0.0.1:" in output, output[-4000:]
