@@ -1,0 +1,35 @@
+"""Faults at the edges of what a run promises, run as a user would: real processes.
+
+A `sys.exit()` inside `step`, an old step directory that is a symbolic link,
+a `checkpoint_dir` too long for its checkpoints, a bad return among metric
+rows in flight, step counts beyond int32, and a stop that nothing durable
+survives. Each run goes on correctly, or stops within seconds with one line
+naming the culprit and an exit code that says what a rerun will do.
+"""
+
+import os
+import sys
+
+from test_user_faults import ROOT, one_line_error, read_jsonl, run, signal_after, toy
+
+from jaxline_ng import disk_checkpointing, preemption, rng, train
+
+
+def test_sys_exit_inside_step_is_a_failure_that_keeps_the_last_checkpoint(tmp_path):
+  # Before: exit 0 at step 25 of 40, as if the run had finished.
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk",
+                   "--config.training_steps=40", "--config.save_checkpoint_interval=10",
+                   "--config.experiment_kwargs.config.exit_at_step=25"))
+  assert result.returncode == 1, result.stderr[-3000:]
+  one_line_error(result, "step raised SystemExit(0) at step 25")
+  assert disk_checkpointing.read(str(tmp_path))[0] == 20
+
+
+def test_a_bad_return_keeps_every_valid_metric_row_written_with_it(tmp_path):
+  # Rows 21..30 go to the writer together; before, step 29's None lost 21..28.
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=40",
+                   "--config.log_train_data_interval=10", "--config.log_all_train_data=True",
+                   "--config.experiment_kwargs.config.none_at_step=28"))
+  one_line_error(result, "step() returned NoneType None")
+  rows = read_jsonl(tmp_path / "train" / "metrics.jsonl")
+  assert [row["step"] for row in rows] == list(range(1, 29))
