@@ -533,9 +533,11 @@ def train(experiment_class, config, checkpointer, writer,
   if peer_checks is not None:
     peer_checks.close()
   if preempted is not None:
-    if checkpointing.in_memory_only(checkpointer):  # Exit 75 asks for a rerun.
-      logging.warning("[jaxline_ng] The checkpoints are in memory: unless your code saves them, "
-                      "a rerun starts afresh (--config.checkpointer=disk keeps them).")
+    if checkpointing.in_memory_only(checkpointer):
+      logging.warning("[jaxline_ng] The checkpoints are in memory: a rerun starts afresh, so "
+                      "the exit code is %d, not %d (--config.checkpointer=disk keeps them and "
+                      "exits %d).", preemption.EXIT_STOPPED_UNSAVED, preemption.EXIT_PREEMPTED,
+                      preemption.EXIT_PREEMPTED)
     raise preempted
 
 

@@ -33,3 +33,14 @@ def test_a_bad_return_keeps_every_valid_metric_row_written_with_it(tmp_path):
   one_line_error(result, "step() returned NoneType None")
   rows = read_jsonl(tmp_path / "train" / "metrics.jsonl")
   assert [row["step"] for row in rows] == list(range(1, 29))
+
+
+def test_a_stop_with_in_memory_checkpoints_exits_143_naming_disk_checkpoints(tmp_path):
+  # Before: 75, "rerun resumes", and a requeued run started from step 0 again.
+  code, stderr, _ = signal_after(
+      toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000000"),
+      ["step 10/"])
+  assert code == preemption.EXIT_STOPPED_UNSAVED == 143, stderr[-3000:]
+  assert "exiting with code 143" in stderr
+  assert "a rerun starts afresh, so the exit code is 143, not 75 (--config.checkpointer=disk" \
+      in stderr
