@@ -254,6 +254,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   steps = config.training_steps
   if steps is not None and (not isinstance(steps, int) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
+  if steps is not None and steps > rng.MAX_STEP:
+    raise ConfigError(f"config.training_steps={steps!r} is beyond {rng.MAX_STEP}, the most steps "
+                      "a step's int32 global_step counts (as in jaxline)")
 
   # A negative logging interval would act at every step: a sign typo. A
   # negative save interval means no periodic saves in jaxline, as 0 does, and

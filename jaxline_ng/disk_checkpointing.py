@@ -52,7 +52,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxline_ng import background, base_config, checkpointing, debugging, devices, multihost
+from jaxline_ng import background, base_config, checkpointing, debugging, devices, multihost, rng
 from jaxline_ng import mesh as mesh_lib
 
 FORMAT = 2
@@ -1154,6 +1154,10 @@ class DiskCheckpointer:
                         "; trying the previous one." if position + 1 < len(candidates) else ".")
         failures.append((candidate, e))
         continue
+      if nest["global_step"] > rng.MAX_STEP:
+        raise CheckpointRefused(
+            f"checkpoint {candidate} is at step {nest['global_step']}, beyond {rng.MAX_STEP}, "
+            "the most steps a step's int32 global_step counts (as in jaxline)")
       starting = fresh_run and ckpt_series == "latest"
       if starting:
         # `restore_path` starts a new run where the other run's checkpoint is:

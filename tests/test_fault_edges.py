@@ -35,6 +35,27 @@ def test_a_bad_return_keeps_every_valid_metric_row_written_with_it(tmp_path):
   assert [row["step"] for row in rows] == list(range(1, 29))
 
 
+def test_step_counts_beyond_int32_are_refused_in_one_line(tmp_path):
+  # Before: training_steps=3e9 was accepted, and a checkpoint of step 2**40
+  # restored, then failed on an OverflowError in every rerun.
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=3000000000"),
+               timeout=60)
+  one_line_error(result, f"config.training_steps=3000000000 is beyond {rng.MAX_STEP}")
+
+  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
+  import toy as toy_experiment  # pylint: disable=import-outside-toplevel
+  config = toy_experiment.get_config()
+  config.checkpoint_dir, config.checkpointer, config.training_steps = str(tmp_path), "disk", 2
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(toy_experiment.Experiment, config, checkpointer, None)
+  checkpointer.get_experiment_state("latest").global_step = 2**40
+  checkpointer.save("latest")
+  checkpointer.wait_for_checkpointing_to_finish()
+  result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.checkpointer=disk"),
+               timeout=60)
+  one_line_error(result, f"latest/{2**40} is at step {2**40}, beyond {rng.MAX_STEP}")
+
+
 def test_a_stop_with_in_memory_checkpoints_exits_143_naming_disk_checkpoints(tmp_path):
   # Before: 75, "rerun resumes", and a requeued run started from step 0 again.
   code, stderr, _ = signal_after(
