@@ -925,11 +925,17 @@ class _CheckpointManager(ocp.CheckpointManager):
     return False
 
 
-def _check_writable(path: str) -> None:
-  """Raises CheckpointWriteError if saves could not create or write `path`."""
+def _existing_ancestor(path: str) -> str:
+  """`path`, or the nearest directory above it that exists."""
   existing = os.path.abspath(path)  # A relative path's dirname ends at "", which never exists.
   while not os.path.lexists(existing):
     existing = os.path.dirname(existing)
+  return existing
+
+
+def _check_writable(path: str) -> None:
+  """Raises CheckpointWriteError if saves could not create or write `path`."""
+  existing = _existing_ancestor(path)
   if not os.path.isdir(existing):
     raise CheckpointWriteError(errno.ENOTDIR, f"cannot save checkpoints in {path}: {existing} "
                                "is not a directory")
@@ -938,8 +944,26 @@ def _check_writable(path: str) -> None:
                                "is not writable")
 
 
+# The longest path a save writes below checkpoint_dir, with room to spare:
+# checkpoints/process_<i>/best_<name>/<step>.orbax-checkpoint-tmp-<time>/state/
+# ocdbt.process_<i>/d/<32 hex digits> is some 150 characters.
+_LONGEST_PATH_BELOW = 200
+
+
 def check_checkpoint_dir(checkpoint_dir: str) -> None:
-  """Raises ConfigError if orbax could not read back what it saves under `checkpoint_dir`."""
+  """Raises ConfigError if orbax could not save under `checkpoint_dir`, or read back."""
+  existing = _existing_ancestor(checkpoint_dir)
+  try:
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+  except (OSError, ValueError):  # No limit known here.
+    path_max = None
+  longest = len(os.fsencode(os.path.abspath(checkpoint_dir))) + _LONGEST_PATH_BELOW
+  if path_max is not None and longest >= path_max:
+    # Else a whole save interval is trained before the first save fails.
+    raise base_config.ConfigError(
+        f"config.checkpoint_dir={checkpoint_dir[:40]!r}... is {len(checkpoint_dir)} "
+        f"characters long: the checkpoints' paths below it would reach about {longest}, "
+        f"beyond this filesystem's limit of {path_max} (PC_PATH_MAX): choose a shorter path")
   if re.search(r"\[.*\]", checkpoint_dir):
     # Orbax gathers the files a save wrote with a glob under the step's
     # directory, which takes "[...]" in the path for a pattern: it would

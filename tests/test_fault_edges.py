@@ -25,6 +25,18 @@ def test_sys_exit_inside_step_is_a_failure_that_keeps_the_last_checkpoint(tmp_pa
   assert disk_checkpointing.read(str(tmp_path))[0] == 20
 
 
+def test_a_checkpoint_dir_too_long_for_its_step_directories_is_refused_at_start(tmp_path):
+  # Before: refused only at the first save, a save interval later, in orbax tracebacks.
+  path_max = os.pathconf(tmp_path, "PC_PATH_MAX")
+  long_dir = str(tmp_path)
+  while len(long_dir) < path_max - 86:  # Room for the lock file, none for a step directory.
+    long_dir += "/" + "d" * max(1, min(200, path_max - 87 - len(long_dir)))
+  result = run(toy(f"--config.checkpoint_dir={long_dir}", "--config.checkpointer=disk"),
+               timeout=60)
+  one_line_error(result, f"beyond this filesystem's limit of {path_max} (PC_PATH_MAX)")
+  assert "training loop" not in result.stderr
+
+
 def test_a_bad_return_keeps_every_valid_metric_row_written_with_it(tmp_path):
   # Rows 21..30 go to the writer together; before, step 29's None lost 21..28.
   result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=40",
