@@ -1097,6 +1097,7 @@ class DiskCheckpointer:
       items = {_META_ITEM: ocp.args.JsonSave(meta)}
       if tree:
         items[_STATE_ITEM] = ocp.args.StandardSave(jax.device_get(tree) if on_host else tree)
+      self._unlink_links_rotated_out(series_dir, step)
       try:
         saved = manager.save(step, args=ocp.args.Composite(**items))
         manager.wait_until_finished()
@@ -1113,6 +1114,20 @@ class DiskCheckpointer:
       logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step, series_dir)
 
     self._saves.submit(write)
+
+  def _unlink_links_rotated_out(self, series_dir: str, step: int) -> None:
+    """Removes the symbolic links among the step directories that saving `step`
+    rotates out: the link, never its target, which orbax would delete through
+    or fail on (after saving, reporting the save failed)."""
+    if not (multihost.is_chief() or not self.every_process_saves):
+      return  # The chief rotates the one tree every process writes to.
+    for old_step in sorted({*_steps(series_dir), step})[:-self._max_to_keep]:
+      path = os.path.join(series_dir, str(old_step))
+      if os.path.islink(path):
+        target = os.readlink(path)
+        os.unlink(path)
+        logging.warning("[jaxline_ng] Rotated out step %d: removed the symbolic link %s (its "
+                        "target %s is kept).", old_step, path, target)
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""

@@ -25,6 +25,28 @@ def test_sys_exit_inside_step_is_a_failure_that_keeps_the_last_checkpoint(tmp_pa
   assert disk_checkpointing.read(str(tmp_path))[0] == 20
 
 
+def test_an_old_step_directory_that_is_a_symlink_is_unlinked_when_rotated_out(tmp_path):
+  # Before: every run failed at the save rotating it out, naming the wrong step.
+  run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+
+  def train_to(steps):
+    result = run(toy(f"--config.checkpoint_dir={run_dir}", "--config.checkpointer=disk",
+                     f"--config.training_steps={steps}", "--config.save_checkpoint_interval=5",
+                     "--config.max_checkpoints_to_keep=2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+  train_to(10)
+  series = run_dir / "checkpoints" / "latest"
+  os.rename(series / "5", elsewhere)
+  os.symlink(elsewhere, series / "5")
+  files = sorted(str(path.relative_to(elsewhere)) for path in elsewhere.rglob("*"))
+  result = train_to(20)  # Saving 15 rotates 5 out.
+  assert sorted(os.listdir(series)) == ["15", "20"]
+  assert sorted(str(path.relative_to(elsewhere)) for path in elsewhere.rglob("*")) == files
+  assert f"removed the symbolic link {series / '5'}" in result.stderr
+
+
 def test_a_checkpoint_dir_too_long_for_its_step_directories_is_refused_at_start(tmp_path):
   # Before: refused only at the first save, a save interval later, in orbax tracebacks.
   path_max = os.pathconf(tmp_path, "PC_PATH_MAX")
