@@ -80,6 +80,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.profile_steps = ()
   # Refuse to resume from a checkpoint made with a different config.
   config.strict_resume_config = False
+  # Resume from a checkpoint holding entries the experiment no longer has
+  # (an optimizer changed from momentum to plain SGD) without them; else refused.
+  config.drop_extra_checkpoint_entries = False
 
   # Where state lives: "pmap" (jaxline's per-device copies) or "mesh" (global
   # arrays on a jax.sharding.Mesh of `mesh_shape`: "name:size,...", -1 = rest).
@@ -99,8 +102,8 @@ def get_base_config() -> ml_collections.ConfigDict:
 KEYS_BEYOND_JAXLINE = (
     "tensorboard", "checkpoint_dir", "checkpointer", "restore_path", "compilation_cache_dir",
     "eval_poll_interval_secs", "eval_specific_checkpoint_dir", "non_finite_policy",
-    "wall_clock_budget_secs", "profile_steps", "strict_resume_config", "placement",
-    "mesh_shape")
+    "wall_clock_budget_secs", "profile_steps", "strict_resume_config",
+    "drop_extra_checkpoint_entries", "placement", "mesh_shape")
 
 
 class ConfigError(ValueError):
