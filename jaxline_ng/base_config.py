@@ -83,6 +83,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.profile_steps = ()
   # Refuse to resume from a checkpoint made with a different config.
   config.strict_resume_config = False
+  # Resume from a checkpoint holding entries the experiment no longer has
+  # (an optimizer changed from momentum to plain SGD) without them; else refused.
+  config.drop_extra_checkpoint_entries = False
 
   # Where state lives: "pmap" (jaxline's per-device copies) or "mesh" (global
   # arrays on a jax.sharding.Mesh of `mesh_shape`: "name:size,...", -1 = rest).
@@ -103,7 +106,7 @@ KEYS_BEYOND_JAXLINE = (
     "tensorboard", "checkpoint_dir", "checkpointer", "restore_path", "compilation_cache_dir",
     "eval_poll_interval_secs", "eval_specific_checkpoint_dir", "non_finite_policy",
     "wall_clock_budget_secs", "step_timeout_secs", "profile_steps", "strict_resume_config",
-    "placement", "mesh_shape")
+    "drop_extra_checkpoint_entries", "placement", "mesh_shape")
 
 
 class ConfigError(ValueError):
@@ -261,6 +264,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   steps = config.training_steps
   if steps is not None and (not isinstance(steps, int) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
+  if steps is not None and steps > rng.MAX_STEP:
+    raise ConfigError(f"config.training_steps={steps!r} is beyond {rng.MAX_STEP}, the most steps "
+                      "a step's int32 global_step counts (as in jaxline)")
 
   # A negative logging interval would act at every step: a sign typo. A
   # negative save interval means no periodic saves in jaxline, as 0 does, and

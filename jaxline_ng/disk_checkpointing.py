@@ -52,7 +52,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxline_ng import background, base_config, checkpointing, debugging, devices, multihost
+from jaxline_ng import background, base_config, checkpointing, debugging, devices, multihost, rng
 from jaxline_ng import mesh as mesh_lib
 
 FORMAT = 2
@@ -62,6 +62,8 @@ _META_KEYS = frozenset(("format", "step", "topology", "entries", "arrays", "dige
 _STATE_ATTRS = frozenset(("global_step", "train_step_rng", "periodic_action_times", "run_config",
                           "best_eval_metric_value", "best_model_eval_metric"))
 _PLAIN_VALUES = (bool, int, float, str)
+# The config key that resumes from a checkpoint holding entries the experiment no longer has.
+DROP_EXTRA_KEY = "drop_extra_checkpoint_entries"
 
 
 def _drop_orbax_info(record: python_logging.LogRecord) -> bool:
@@ -554,8 +556,59 @@ def _per_device_elsewhere(live_leaf: jax.Array, shape: tuple[int, ...],
       and live_leaf.shape[1:] == shape[1:])
 
 
+_ABSENT = object()
+
+
+def _child(node: Any, key: Any) -> Any:
+  """`node`'s child at one level `key` of a key path, or `_ABSENT`."""
+  if isinstance(key, jax.tree_util.DictKey):
+    return node.get(key.key, _ABSENT) if isinstance(node, Mapping) else _ABSENT
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return node[key.idx] if isinstance(node, (list, tuple)) and key.idx < len(node) else _ABSENT
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(node, key.name, _ABSENT)
+  return _ABSENT
+
+
+def _grew_into(live: Any, path) -> bool:
+  """Whether a saved leaf at key `path`, which the live value lacks, is state
+  that grew as the run trained: appended to a list, or in an empty dict (or
+  None) that `__init__` built to be filled. Elsewhere (a NamedTuple's other
+  fields, a dict of other arrays) it is a leftover of code changed since."""
+  node = live
+  for key in path:
+    child = _child(node, key)
+    if child is _ABSENT:
+      break
+    node = child
+  return node is None or type(node) is list or (
+      type(node) in (dict, collections.OrderedDict) and not jax.tree.leaves(node))
+
+
+def _without_extras(name: str, value: Any, live: Any, drop_extra: bool) -> Any:
+  """`value` (saved) for training to resume, unless it holds leaves the live
+  value lacks that are no state that grew: those are refused, or with
+  `drop_extra` left out (a warning names them). Training would carry them
+  in every later save."""
+  live_leaves = _named_leaves(name, live)
+  saved = {"/".join(_tree_path(name, path)): (path, leaf)
+           for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]}
+  extra = [leaf_name for leaf_name, (path, _) in saved.items()
+           if leaf_name not in live_leaves and not _grew_into(live, path)]
+  if not extra:
+    return value
+  if not drop_extra:
+    raise _DoesNotFit(f"entry {name} holds {_some(extra)}, which the experiment's does not "
+                      f"have (config.{DROP_EXTRA_KEY}=True resumes without them)")
+  logging.warning("[jaxline_ng] Not restored (config.%s): %s, which the experiment's %s does "
+                  "not have.", DROP_EXTRA_KEY, _some(extra), name)
+  return jax.tree.unflatten(jax.tree.structure(live), [
+      saved[leaf_name][1] if leaf_name in saved else leaf
+      for leaf_name, leaf in live_leaves.items()])
+
+
 def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
-               training: bool) -> Any:
+               training: bool, drop_extra: bool = False) -> Any:
   """An entry's value: rebuilt from its skeleton, else in the live value's structure.
 
   An entry the experiment holds as None is restored when its skeleton
@@ -589,6 +642,8 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
                    and (isinstance(leaf, jax.ShapeDtypeStruct) or _is_array(leaf)))
       if new:
         raise _DoesNotFit(f"entry {name} lacks {_some(new)}, which the experiment's has")
+      if training:  # An evaluation restores what it finds, as jaxline's did.
+        value = _without_extras(name, value, live, drop_extra)
     return value
   if live_treedef is not None and live_treedef.num_leaves == len(leaves):
     return jax.tree.unflatten(live_treedef, _in_live_order(entry, leaves, live, name))
@@ -608,7 +663,7 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
       f"{None if live_treedef is None else live_treedef.num_leaves}")
 
 
-def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
+def _read_arrays(path: str, live_nest: dict[str, Any], training: bool, drop_extra: bool):
   """`_load` up to the checksums: what every process does on its own."""
   meta = _read_meta(path)
   # A renamed step directory would be resumed at its step, and orbax would
@@ -629,11 +684,15 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool):
   for name in entries:
     if name.startswith(_MODULE_PREFIX):
       if wants_module and name not in live:
-        if not training:  # As jaxline: e.g. CHECKPOINT_ATTRS without the optimizer in eval.
+        if training and drop_extra:
+          logging.warning("[jaxline_ng] Not restored (config.%s): %s, which the experiment "
+                          "does not checkpoint.", DROP_EXTRA_KEY, name)
+        if not training or drop_extra:  # As jaxline: e.g. no optimizer in eval.
           unlisted.add(name)
           continue
         raise _DoesNotFit(f"it holds experiment_module/{name[len(_MODULE_PREFIX):]}, "
-                          "which the experiment does not checkpoint")
+                          "which the experiment does not checkpoint (config."
+                          f"{DROP_EXTRA_KEY}=True resumes without it)")
     elif name not in _STATE_ATTRS and name not in live:
       # As jaxline, which restores the live state's entries only: one that
       # `on_new_best_model` added to the best state is not a damage.
@@ -768,8 +827,8 @@ def _raise_agreed(error: Exception | None, agree: bool) -> None:
     raise UnusableCheckpoint(f"process {', '.join(map(str, damaged))} could not read its part")
 
 
-def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
-          training: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def _load(path: str, live_nest: dict[str, Any], agree: bool = False, training: bool = False,
+          drop_extra: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
   """Reads and checks a step directory: `(snapshot, its topology)`.
 
   Arrays are restored onto the shardings of the live arrays they replace
@@ -781,7 +840,8 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
   """
   error = None
   try:
-    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, training)
+    meta, entries, live, wanted, expected, at = _read_arrays(path, live_nest, training,
+                                                             drop_extra)
     values = [at(tree_path) for tree_path, *_ in expected]
   except _DoesNotFit as e:
     error = e
@@ -821,7 +881,7 @@ def _load(path: str, live_nest: dict[str, Any], agree: bool = False,
       if not wanted(name):
         continue
       leaves = [leaf_value(leaf) for leaf in entry["leaves"]]
-      value = _value_for(entry, leaves, live.get(name), name, training)
+      value = _value_for(entry, leaves, live.get(name), name, training, drop_extra)
       if name.startswith(_MODULE_PREFIX):
         nest.setdefault("experiment_module", {})[name[len(_MODULE_PREFIX):]] = value
       else:
@@ -925,11 +985,17 @@ class _CheckpointManager(ocp.CheckpointManager):
     return False
 
 
-def _check_writable(path: str) -> None:
-  """Raises CheckpointWriteError if saves could not create or write `path`."""
+def _existing_ancestor(path: str) -> str:
+  """`path`, or the nearest directory above it that exists."""
   existing = os.path.abspath(path)  # A relative path's dirname ends at "", which never exists.
   while not os.path.lexists(existing):
     existing = os.path.dirname(existing)
+  return existing
+
+
+def _check_writable(path: str) -> None:
+  """Raises CheckpointWriteError if saves could not create or write `path`."""
+  existing = _existing_ancestor(path)
   if not os.path.isdir(existing):
     raise CheckpointWriteError(errno.ENOTDIR, f"cannot save checkpoints in {path}: {existing} "
                                "is not a directory")
@@ -938,8 +1004,26 @@ def _check_writable(path: str) -> None:
                                "is not writable")
 
 
+# The longest path a save writes below checkpoint_dir, with room to spare:
+# checkpoints/process_<i>/best_<name>/<step>.orbax-checkpoint-tmp-<time>/state/
+# ocdbt.process_<i>/d/<32 hex digits> is some 150 characters.
+_LONGEST_PATH_BELOW = 200
+
+
 def check_checkpoint_dir(checkpoint_dir: str) -> None:
-  """Raises ConfigError if orbax could not read back what it saves under `checkpoint_dir`."""
+  """Raises ConfigError if orbax could not save under `checkpoint_dir`, or read back."""
+  existing = _existing_ancestor(checkpoint_dir)
+  try:
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+  except (OSError, ValueError):  # No limit known here.
+    path_max = None
+  longest = len(os.fsencode(os.path.abspath(checkpoint_dir))) + _LONGEST_PATH_BELOW
+  if path_max is not None and longest >= path_max:
+    # Else a whole save interval is trained before the first save fails.
+    raise base_config.ConfigError(
+        f"config.checkpoint_dir={checkpoint_dir[:40]!r}... is {len(checkpoint_dir)} "
+        f"characters long: the checkpoints' paths below it would reach about {longest}, "
+        f"beyond this filesystem's limit of {path_max} (PC_PATH_MAX): choose a shorter path")
   if re.search(r"\[.*\]", checkpoint_dir):
     # Orbax gathers the files a save wrote with a glob under the step's
     # directory, which takes "[...]" in the path for a pattern: it would
@@ -972,6 +1056,7 @@ class DiskCheckpointer:
     if not multihost.is_chief() and not self.every_process_saves:
       self._root = os.path.join(self._read_root, f"process_{jax.process_index()}")
     self._max_to_keep = config.max_checkpoints_to_keep
+    self._drop_extra = config.get(DROP_EXTRA_KEY, False)  # A config of jaxline's keys lacks it.
     self._restore_path = config.restore_path
     self._live = threading.local()
     self._managers: dict[str, ocp.CheckpointManager] = {}
@@ -1073,6 +1158,7 @@ class DiskCheckpointer:
       items = {_META_ITEM: ocp.args.JsonSave(meta)}
       if tree:
         items[_STATE_ITEM] = ocp.args.StandardSave(jax.device_get(tree) if on_host else tree)
+      self._unlink_links_rotated_out(series_dir, step)
       try:
         saved = manager.save(step, args=ocp.args.Composite(**items))
         manager.wait_until_finished()
@@ -1089,6 +1175,20 @@ class DiskCheckpointer:
       logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step, series_dir)
 
     self._saves.submit(write)
+
+  def _unlink_links_rotated_out(self, series_dir: str, step: int) -> None:
+    """Removes the symbolic links among the step directories that saving `step`
+    rotates out: the link, never its target, which orbax would delete through
+    or fail on (after saving, reporting the save failed)."""
+    if not (multihost.is_chief() or not self.every_process_saves):
+      return  # The chief rotates the one tree every process writes to.
+    for old_step in sorted({*_steps(series_dir), step})[:-self._max_to_keep]:
+      path = os.path.join(series_dir, str(old_step))
+      if os.path.islink(path):
+        target = os.readlink(path)
+        os.unlink(path)
+        logging.warning("[jaxline_ng] Rotated out step %d: removed the symbolic link %s (its "
+                        "target %s is kept).", old_step, path, target)
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
@@ -1139,7 +1239,7 @@ class DiskCheckpointer:
     for position, candidate in enumerate(candidates):
       try:
         nest, topology = _load(candidate, live, agree=self.every_process_saves,
-                               training=training)
+                               training=training, drop_extra=self._drop_extra)
       except _DoesNotFit as e:
         seeding = fresh_run and ckpt_series == "latest" and self._restore_path
         where = f"config.restore_path={self._restore_path!r}: " if seeding else ""
@@ -1154,6 +1254,10 @@ class DiskCheckpointer:
                         "; trying the previous one." if position + 1 < len(candidates) else ".")
         failures.append((candidate, e))
         continue
+      if nest["global_step"] > rng.MAX_STEP:
+        raise CheckpointRefused(
+            f"checkpoint {candidate} is at step {nest['global_step']}, beyond {rng.MAX_STEP}, "
+            "the most steps a step's int32 global_step counts (as in jaxline)")
       starting = fresh_run and ckpt_series == "latest"
       if starting:
         # `restore_path` starts a new run where the other run's checkpoint is:

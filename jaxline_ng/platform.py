@@ -405,6 +405,10 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
                     "its own checkpointer_factory (%s).", config.checkpointer,
                     type(checkpointer).__name__)
   _warn_of_unread_snapshots(checkpointer)
+  # A stopped training run whose checkpoints die with the process is not
+  # resumed by a rerun: its exit code must not ask for one.
+  preemption.set_resumable(mode not in ("train", TRAIN_EVAL_MULTITHREADED)
+                           or not checkpointing.in_memory_only(checkpointer))
   unused_disk_steps = _unused_disk_steps(config, checkpointer)
   if unused_disk_steps and mode in ("train", TRAIN_EVAL_MULTITHREADED):
     logging.warning("[jaxline_ng] Training starts afresh: %s.", unused_disk_steps)
@@ -513,7 +517,8 @@ def main(experiment_class, argv: Sequence[str],
 
   Bad input (config, mode) exits with a one-line error naming the culprit.
   SIGTERM/SIGINT stop training after the current step, save and flush, and
-  exit with `preemption.EXIT_PREEMPTED` (75).
+  exit with `preemption.EXIT_PREEMPTED` (75), or `EXIT_STOPPED_UNSAVED` (143)
+  where the checkpoints are in memory and a rerun starts afresh.
   """
   argv = _parse_flags_if_needed(argv)
   if len(argv) > 1:
@@ -564,13 +569,13 @@ def main(experiment_class, argv: Sequence[str],
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
       if preemption.signalled():
         # It came as the work ended (the last evaluation, the final save): the
-        # exit is still the 75 the log promised, and a program's code after
+        # exit is still the code the log promised, and a program's code after
         # platform.main does not run on past the signal.
         logging.warning("[jaxline_ng] %s came as the run ended: exiting with code %d.",
-                        preemption.stop_reason(), preemption.EXIT_PREEMPTED)
-        raise SystemExit(preemption.EXIT_PREEMPTED)
+                        preemption.stop_reason(), preemption.exit_code())
+        raise SystemExit(preemption.exit_code())
   except preemption.Preempted:
-    raise SystemExit(preemption.EXIT_PREEMPTED) from None
+    raise SystemExit(preemption.exit_code()) from None
   except Exception as e:  # pylint: disable=broad-except
     # Errors whose message says it all (bad input, a non-finite scalar, a
     # full disk) mark themselves `one_line`; anything else keeps its traceback.

@@ -2,12 +2,12 @@
 
 The first signal asks the run to stop: the training loop finishes the step
 in flight, `train` saves `latest`, waits for the save, flushes the writers,
-and the process exits with `EXIT_PREEMPTED`. A second signal, in any phase
-(the final save and flush included), exits at once, also with
-`EXIT_PREEMPTED`; a checkpoint being written then is left incomplete and
-ignored on restore. Signals that arrive together (a signal delivered twice,
-SIGTERM with SIGINT) count once, and one arriving as a stopped process
-exits keeps its exit code 75.
+and the process exits with `EXIT_PREEMPTED` (`EXIT_STOPPED_UNSAVED` where a
+rerun cannot resume: `set_resumable`). A second signal, in any phase (the
+final save and flush included), exits at once, with the same code; a
+checkpoint being written then is left incomplete and ignored on restore.
+Signals that arrive together (a signal delivered twice, SIGTERM with SIGINT)
+count once, and one arriving as a stopped process exits keeps its exit code.
 
 The loop learns of the request through a periodic action (`StopCheck`), so
 experiments that override `train_loop` stop too, as long as they call their
@@ -35,6 +35,11 @@ from jaxline_ng import multihost, periodic
 # EX_TEMPFAIL from sysexits.h: "try again later". A scheduler script can
 # requeue a job that exits with it; the rerun resumes from `latest`.
 EXIT_PREEMPTED = 75
+# A stopped training run that a rerun cannot resume (its checkpoints were in
+# memory): the code of a process SIGTERM ended, which a scheduler requeueing
+# on 75 leaves alone rather than restart from step 0 again and again.
+EXIT_STOPPED_UNSAVED = 143
+_exit_code = [EXIT_PREEMPTED]
 
 _stop_requested = threading.Event()
 _reason = ["signal"]
@@ -50,6 +55,17 @@ _SAME_REQUEST_SECS = 0.5
 
 class Preempted(Exception):
   """Raised out of the training loop after a stop was requested."""
+
+
+def set_resumable(resumable: bool) -> None:
+  """Whether a rerun would resume this run after a stop: the stop's exit code
+  is then `EXIT_PREEMPTED`, else `EXIT_STOPPED_UNSAVED`."""
+  _exit_code[0] = EXIT_PREEMPTED if resumable else EXIT_STOPPED_UNSAVED
+
+
+def exit_code() -> int:
+  """The exit code of a stop of this run (`set_resumable`)."""
+  return _exit_code[0]
 
 
 def request_stop(reason: str) -> None:
@@ -95,18 +111,18 @@ def _act_on_signal(signum: int) -> None:
     # The run was asked to stop, so the code says so too (a requeueing
     # scheduler treats it like the first stop); the save in progress is
     # left incomplete and ignored on restore.
-    logging.warning("[jaxline_ng] Second %s: exiting now with code %d.", name, EXIT_PREEMPTED)
+    logging.warning("[jaxline_ng] Second %s: exiting now with code %d.", name, exit_code())
     logging.flush()
     if multihost.is_multiprocess():
       # The others would wait for this process in their next collective until
       # JAX's heartbeat aborts them: they are told, and exit with the same code.
-      multihost.publish_failure(f"a second {name} ended it at once", EXIT_PREEMPTED)
-      multihost.exit_after_failure(EXIT_PREEMPTED)
-    os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
+      multihost.publish_failure(f"a second {name} ended it at once", exit_code())
+      multihost.exit_after_failure(exit_code())
+    os._exit(exit_code())  # pylint: disable=protected-access
   _signalled.set()
   logging.warning("[jaxline_ng] %s received: stopping after the current step or evaluation "
                   "(training saves first), then exiting with code %d. Send it again to exit "
-                  "at once.", name, EXIT_PREEMPTED)
+                  "at once.", name, exit_code())
   request_stop(name)
 
 
@@ -167,15 +183,15 @@ def _noted(signum, frame) -> None:
 
 
 def _exit_preempted(signum, frame) -> None:
-  """A signal after the run was stopped by one: exit 75 now, as a second signal does."""
+  """A signal after the run was stopped by one: exit now, as a second signal does."""
   del signum, frame
-  os._exit(EXIT_PREEMPTED)  # pylint: disable=protected-access
+  os._exit(exit_code())  # pylint: disable=protected-access
 
 
 def _ignore_at_exit(signums: tuple[int, ...]) -> None:
   """At exit, after a stop a signal asked for: the interpreter resets Python's
   handlers to the default as it shuts down, and a signal in the fraction of a
-  second left would end the process with it, not 75. An ignored signal stays
+  second left would end the process with it, not the stop's code. An ignored signal stays
   ignored to the end."""
   for signum in signums:
     signal.signal(signum, signal.SIG_IGN)
@@ -213,6 +229,7 @@ def stop_on_signals(sigterm_to_jax: bool = False):
   """
   _stop_requested.clear()
   _signalled.clear()
+  set_resumable(True)
   if threading.current_thread() is not threading.main_thread():
     yield
     return
@@ -238,8 +255,8 @@ def stop_on_signals(sigterm_to_jax: bool = False):
     _notice_through_jax[0] = False
     _held[0] = None
     for signum, handler in previous.items():
-      # After a stop a signal asked for, the process exits 75 in a moment: one
-      # more signal must not make that 143 (a scheduler requeues on 75 alone).
+      # After a stop a signal asked for, the process exits in a moment with
+      # the stop's code: one more signal must not make that its own.
       signal.signal(signum, _exit_preempted if _signalled.is_set() else handler)
     if _signalled.is_set() and previous:
       atexit.register(_ignore_at_exit, tuple(previous))

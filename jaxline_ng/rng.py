@@ -267,6 +267,10 @@ def eval_keys(random_seed: int, mode: str):
   return devices.placed_from_host(keys, devices.put_per_device)
 
 
+# The largest step count `step_counter` holds: jaxline's `global_step` is int32.
+MAX_STEP = int(np.iinfo(np.int32).max)
+
+
 def step_counter(global_step: int):
   """`global_step` as a step receives it: a host `int32[local devices]` (pmap;
   `global_step[0]` is free) or an `int32` scalar (mesh mode).

@@ -51,6 +51,12 @@ class ScalarsError(ValueError):
   one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
+class StepExitError(RuntimeError):
+  """`sys.exit()` was called inside the training loop (by `step` or a library it
+  calls): a failure, not a finished run, which exit code 0 would report."""
+  one_line = True
+
+
 # Array kinds that are not real numbers, which TensorBoard and JSON take:
 # complex, bytes, str, object.
 _UNLOGGABLE_KINDS = "cSUO"
@@ -236,6 +242,18 @@ def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, 
 class _LoggingAction(periodic.PeriodicAction):
   """Logging and writing: each due step's scalars reach `fn` as host numbers
   (`host_scalars_of_steps`), read from the first device's copy alone."""
+
+  def _act_on(self, due):
+    try:
+      super()._act_on(due)
+    except ScalarsError:
+      # Raised before acting on any: the steps due before the bad one are
+      # valid rows, written before the run stops on it.
+      for position, (_, _, scalars) in enumerate(due):
+        if not isinstance(scalars, Mapping) or scalar_problems(scalars, "step()"):
+          super()._act_on(due[:position])
+          break
+      raise
 
   def _to_host(self, scalars):
     return host_scalars_of_steps(scalars)
@@ -481,6 +499,12 @@ def train(experiment_class, config, checkpointer, writer,
         # thread), which must see it too.
         preemption.consume_stop_request()
       preempted = e
+    except SystemExit as e:
+      # Saves made before it stand; nothing after them is saved.
+      raise StepExitError(
+          f"step raised SystemExit({e.code!r}) at step {state.global_step} (sys.exit() in "
+          "the experiment or a library it calls): the run failed; its last saved checkpoint "
+          "is kept") from None
     for action in periodic_actions:
       action.wait_to_finish()
     for action in own_actions:  # Logs and writes the last step even if it was not due.
@@ -518,9 +542,11 @@ def train(experiment_class, config, checkpointer, writer,
   if peer_checks is not None:
     peer_checks.close()
   if preempted is not None:
-    if checkpointing.in_memory_only(checkpointer):  # Exit 75 asks for a rerun.
-      logging.warning("[jaxline_ng] The checkpoints are in memory: unless your code saves them, "
-                      "a rerun starts afresh (--config.checkpointer=disk keeps them).")
+    if checkpointing.in_memory_only(checkpointer):
+      logging.warning("[jaxline_ng] The checkpoints are in memory: a rerun starts afresh, so "
+                      "the exit code is %d, not %d (--config.checkpointer=disk keeps them and "
+                      "exits %d).", preemption.EXIT_STOPPED_UNSAVED, preemption.EXIT_PREEMPTED,
+                      preemption.EXIT_PREEMPTED)
     raise preempted
 
 

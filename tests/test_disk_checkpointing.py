@@ -718,6 +718,41 @@ def test_a_checkpoint_lacking_arrays_the_experiment_has_is_refused_naming_them(t
     train.train(LayerAdded, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
+class WithMomentum(Rich):
+  OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+
+  def __init__(self, mode, init_rng):
+    super().__init__(mode, init_rng)
+    self._opt = self.OPTIMIZER
+    self._opt_state = utils.bcast_local_devices(
+        self._opt.init({"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}))
+
+
+class WithPlainSgd(WithMomentum):
+  OPTIMIZER = optax.sgd(0.1)
+
+
+def test_a_checkpoint_holding_entries_the_experiment_no_longer_has_is_refused_naming_them(
+    tmp_path):
+  """Before, the momentum buffers were put into plain SGD's state and saved on with it."""
+  train_to(WithMomentum, tmp_path, 2)
+  with pytest.raises(disk_checkpointing.CheckpointRefused,
+                     match=r"entry experiment_module/opt_state holds experiment_module/opt_state/"
+                           r"0/trace/b, experiment_module/opt_state/0/trace/w, which the "
+                           r"experiment's does not have \(config.drop_extra_checkpoint_entries="
+                           r"True resumes without them\)"):
+    train_to(WithPlainSgd, tmp_path, 4)
+  config = disk_config(tmp_path, 4, drop_extra_checkpoint_entries=True)
+  checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
+  train.train(WithPlainSgd, config, checkpointer, None)
+  assert Rich.seen_steps[-2:] == [2, 3]  # Resumed, without them, and saved without them.
+  resumed = checkpointer.get_experiment_state("latest").experiment_module
+  assert jax.tree.structure(resumed._opt_state) == jax.tree.structure(  # pylint: disable=protected-access
+      utils.bcast_local_devices(WithPlainSgd.OPTIMIZER.init({"w": jnp.zeros(1)})))
+  step, saved = disk_checkpointing.read(str(tmp_path))
+  assert step == 4 and not jax.tree.leaves(saved["experiment_module"]["opt_state"])
+
+
 class DriftsToFloat32(Rich):
   """bfloat16 weights that training makes float32 (a float32 scale), as code may by accident."""
 

@@ -183,11 +183,13 @@ def test_flagsaver_then_main_with_empty_argv(tmp_path, monkeypatch):
 
 
 def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
-  """The last step's scalars reach disk and the process exits with EXIT_PREEMPTED."""
+  """The last step's scalars and checkpoint reach disk and the process exits with
+  EXIT_PREEMPTED (a rerun resumes)."""
   env = dict(os.environ, PYTHONPATH=ROOT)
   process = subprocess.Popen(
       [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
-       "--config.training_steps=1000000", "--config.log_train_data_interval=1000"],
+       "--config.training_steps=1000000", "--config.log_train_data_interval=1000",
+       "--config.checkpointer=disk"],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   stderr_lines = []
   try:
@@ -204,7 +206,7 @@ def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
   assert process.returncode == 75, stderr[-3000:]
   last = read_jsonl(metrics)[-1]
   assert f"stopped by SIGTERM after step {last['step']}" in stderr
-  assert "Saved in-memory checkpoint latest" in stderr
+  assert f"Saved checkpoint latest/{last['step']} " in stderr
 
 
 def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_another(

@@ -209,7 +209,7 @@ def test_sigterm_to_an_eval_job_waiting_for_checkpoints_exits_75_at_once(tmp_pat
 def test_sigterm_to_train_eval_multithreaded_exits_75(tmp_path):
   code, stderr, _ = signal_after(
       toy(f"--config.checkpoint_dir={tmp_path}", "--jaxline_mode=train_eval_multithreaded",
-          "--config.training_steps=1000000"),
+          "--config.checkpointer=disk", "--config.training_steps=1000000"),
       ["step 10/"])
   assert code == 75, stderr[-3000:]
 
@@ -272,7 +272,7 @@ def test_a_sigterm_while_the_interpreter_shuts_down_after_a_stop_still_exits_75(
       "    os.kill(os.getpid(), signal.SIGTERM)\n"
       "  return super().step(global_step=global_step, rng=rng, writer=writer)\n"))
   result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000",
-                   script=script))
+                   "--config.checkpointer=disk", script=script))
   assert result.returncode == 75, result.stderr[-3000:]
   assert "stopped by SIGTERM after step" in result.stderr
 
@@ -290,7 +290,7 @@ SIGTERM_THEN = (
       "--config.eval_initial_weights=True")),
     ("def snapshot_state(self):\n" + SIGTERM_THEN +  # Only the final save: training_steps=3.
      "  return super().snapshot_state()\n",
-     ("--config.training_steps=3",))],
+     ("--config.training_steps=3", "--config.checkpointer=disk"))],
     ids=["during_a_one_off_evaluation", "during_the_final_save"])
 def test_a_sigterm_as_the_run_ends_still_exits_75(tmp_path, body, mode_args):
   # The work ends normally, but the log said "exiting with code 75": exit 0
@@ -317,7 +317,8 @@ def test_second_sigterm_during_the_final_save_exits_75_at_once(tmp_path, to_thre
       "  return super().snapshot_state()\n"))
   code, stderr, secs = signal_after(
       toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000000",
-          "--config.save_checkpoint_interval=1000000000", script=script),
+          "--config.checkpointer=disk", "--config.save_checkpoint_interval=1000000000",
+          script=script),
       ["step 10/"] if to_thread else ["step 10/", "saving now"], timeout=120)
   assert code == 75, stderr[-3000:]
   assert secs < 60  # Not the final save's 300 s.

@@ -9,10 +9,12 @@ processes x 2 devices train on the same data. It runs in both placements:
 `--config.placement=mesh` trains the same math with `jax.jit` on a mesh, the
 parameters sharded over a `model` axis when the mesh has one. Config
 arguments: `:fail_at_step` makes step 3 raise (crash propagation). Config
-keys pace the steps and inject a failure or a NaN loss on one process.
+keys pace the steps and inject a failure or a NaN loss on one process, a
+`sys.exit(0)` or a None returned.
 """
 
 import functools
+import sys
 import time
 
 import jax
@@ -48,6 +50,8 @@ def get_config(arg: str = ""):
       step_sleep_secs=0.0,  # Paces the steps, so a test can signal a run mid-way.
       nan_from_step=-1,  # From this step on, the loss returned is NaN ...
       nan_on_process=-1,  # ... on this process only (-1: all).
+      exit_at_step=-1,  # At this step, sys.exit(0), as a library might call it.
+      none_at_step=-1,  # At this step, return None rather than a dict of scalars.
   )))
   config.lock()
   return config
@@ -108,6 +112,9 @@ class Experiment(experiment.AbstractExperiment):
         -1, jax.process_index()):
       while True:
         time.sleep(1)
+    # `get`: a config written out by hand may lack the later keys.
+    if step == self.config.get("exit_at_step", -1):
+      sys.exit(0)
     if step == 0 and self.config.record_keys_dir:
       keys = {"step": np.asarray(rng)}
       for mode in rng_lib.RANDOM_MODES:
@@ -119,6 +126,8 @@ class Experiment(experiment.AbstractExperiment):
     if 0 <= self.config.nan_from_step <= step and self.config.nan_on_process in (
         -1, jax.process_index()):
       loss = loss * jnp.nan
+    if step == self.config.get("none_at_step", -1):
+      return None
     return {"loss": loss if self._mesh is not None else utils.get_first(loss)}
 
   def evaluate(self, global_step, rng, writer):
