@@ -271,7 +271,7 @@ def describe_state(experiment) -> str:
       parts.append(f"{name}: not built yet")
       continue
     if iterator_state.kind_of(value) is not None:
-      parts.append(f"{name}: a {iterator_state.kind_of(value)} iterator's position")
+      parts.append(f"{name}: an iterator's position ({iterator_state.kind_of(value)})")
       continue
     values = size = 0
     plain = []  # Python numbers and strings, shown as they are.

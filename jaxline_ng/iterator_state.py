@@ -46,8 +46,10 @@ class IteratorStateError(TypeError):
 
 def kind_of(value: Any) -> str | None:
   """How `value`'s position is saved (`GET_STATE`, `TF_DATA`), or None if it is no such iterator."""
-  tf = sys.modules.get("tensorflow")  # Only a program that made a tf.data iterator imported it.
-  if tf is not None and isinstance(value, tf.data.Iterator):
+  # Only a program that made a tf.data iterator imported TensorFlow (and did so
+  # completely: the writer may be importing it on another thread meanwhile).
+  tf_iterator = getattr(getattr(sys.modules.get("tensorflow"), "data", None), "Iterator", None)
+  if isinstance(tf_iterator, type) and isinstance(value, tf_iterator):
     return TF_DATA
   if not isinstance(value, type) and callable(getattr(value, "get_state", None)) and callable(
       getattr(value, "set_state", None)):
