@@ -52,7 +52,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxline_ng import background, base_config, checkpointing, debugging, devices, multihost, rng
+from jaxline_ng import (
+  background,
+  base_config,
+  checkpointing,
+  debugging,
+  devices,
+  iterator_state,
+  multihost,
+  rng,
+)
 from jaxline_ng import mesh as mesh_lib
 
 FORMAT = 2
@@ -274,6 +283,8 @@ def _rebuild(skeleton: Any, leaves: list) -> Any:
         _flattens_as_a_dict, "flattens otherwise")
   if "none" in skeleton:
     return None
+  if "iterator" in skeleton:
+    return iterator_state.Position.from_json(leaves[0])
   if "leaf" in skeleton:
     return leaves[skeleton["leaf"]]
   if "dict" in skeleton:
@@ -307,8 +318,10 @@ def _named_entries(nest: dict[str, Any]) -> dict[str, Any]:
 
 def _unstorable(name: str, path, leaf: Any) -> CheckpointFormatError:
   return CheckpointFormatError(
-      f"cannot checkpoint {_entry_name(name, path)}: a {type(leaf).__name__} is "
-      "neither an array nor a plain Python value (int, float, bool, str)")
+      f"cannot checkpoint {_entry_name(name, path)}: a {type(leaf).__name__} is neither an array "
+      "nor a plain Python value (int, float, bool, str) nor an iterator that reports its "
+      "position: hold arrays, or give it get_state() and set_state(state) as grain's iterators "
+      "have (a tf.data iterator is saved too; README: Exact resume)")
 
 
 def _is_array(leaf: Any) -> bool:
@@ -325,6 +338,9 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
   tree: dict[str, Any] = {}
   entries, arrays, names = {}, [], set()
   for name, value in _named_entries(nest).items():
+    if isinstance(value, iterator_state.Position):
+      entries[name] = _iterator_entry(value)
+      continue
     leaves = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
       key_impl = None
@@ -360,6 +376,21 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
         raise _unstorable(name, path, leaf)
     entries[name] = {"leaves": leaves, "skeleton": _skeleton(value)}
   return tree, entries, arrays
+
+
+def _iterator_entry(position: iterator_state.Position) -> dict[str, Any]:
+  """A checkpoint entry holding an iterator's position: one JSON value, marked."""
+  return {"leaves": [{"value": position.to_json()}], "skeleton": {"iterator": position.kind}}
+
+
+def _with_peer_positions(entries: dict[str, Any], step: int) -> dict[str, Any]:
+  """`entries` with every process's iterator positions at `step` (the chief's save)."""
+  positions = {name: iterator_state.Position.from_json(entry["leaves"][0]["value"])
+               for name, entry in entries.items() if "iterator" in (entry["skeleton"] or {})}
+  if not positions:
+    return entries
+  gathered = iterator_state.gather(positions, step)
+  return {**entries, **{name: _iterator_entry(p) for name, p in gathered.items()}}
 
 
 def _words(x):
@@ -620,6 +651,10 @@ def _value_for(entry: dict[str, Any], leaves: list, live: Any, name: str,
   """
   if isinstance(live, _FlatLeaves):
     return list(leaves)
+  if entry["skeleton"] and "iterator" in entry["skeleton"] and live is None and training:
+    raise CheckpointRefused(
+        f"checkpoint entry {name} holds a data iterator's position, but the experiment holds "
+        "None there: build the iterator in __init__ so that training resumes where it was")
   live_treedef = None if live is None else jax.tree.structure(live)
   not_rebuilt = None
   try:
@@ -964,7 +999,9 @@ def _live_layout(module) -> dict[str, Any]:
   pmap_mode = mesh_lib.active_mesh() is None
   layout = {name: jax.tree.map(one_copy if pmap_mode else global_shape,
                                devices.raw_keys(getattr(module, attr, None)))
-            for attr, name in attrs.items()}
+            for attr, name in attrs.items()
+            if iterator_state.kind_of(getattr(module, attr, None)) is None}
+  layout.update({name: getattr(module, attr) for attr, name in attrs.items() if name not in layout})
   layout.update({name: devices.raw_keys(getattr(module, attr, None))
                  for attr, name in non_broadcast_attrs.items()})
   return layout
@@ -1122,6 +1159,9 @@ class DiskCheckpointer:
     tree, entries, arrays = encode(checkpointing.device_snapshot(state))
     fingerprints = dispatch_fingerprints([array for _, array in arrays])
     series_dir = self._series_dir(ckpt_series)
+    # The chief's training saves hold every process's data positions.
+    gathers_positions = (multihost.is_multiprocess() and multihost.is_chief()
+                         and ckpt_series == "latest" and ckpt_series in self._writes)
     # In pmap mode orbax is handed host copies: it records a device array's
     # sharding, and the per-device key chain's would let orbax alone read the
     # checkpoint only on as many devices. (A process of a multi-process run
@@ -1148,7 +1188,10 @@ class DiskCheckpointer:
         if ckpt_series != "latest":  # A best step an earlier evaluator saved (another metric's).
           logging.warning("[jaxline_ng] %s/%d is saved already: kept as it is.", ckpt_series, step)
         return
-      meta = {"format": FORMAT, "step": step, "topology": _topology(), "entries": entries,
+      saved_entries = entries
+      if gathers_positions:
+        saved_entries = _with_peer_positions(entries, step)
+      meta = {"format": FORMAT, "step": step, "topology": _topology(), "entries": saved_entries,
               "arrays": {"/".join(path): {"shape": list(np.shape(array)),
                                           "dtype": np.dtype(array.dtype).name,
                                           "fingerprint": fingerprint}

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from jaxline_ng import base_config, devices, preemption
+from jaxline_ng import base_config, devices, iterator_state, preemption
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import rng as rng_lib
 
@@ -130,15 +130,22 @@ class AbstractExperiment(abc.ABC):
           logging.WARNING, "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
           "checkpoints will hold no experiment state.", 1, type(self).__name__)
     one_copy = devices.get_first if mesh_lib.active_mesh() is None else devices.fresh_copies
+    # Iterators that report their position are saved as it, per process.
+    positions = {name: iterator_state.capture(getattr(self, attr), f"experiment_module/{name}")
+                 for attr, name in {**attrs, **non_broadcast_attrs}.items()
+                 if iterator_state.kind_of(getattr(self, attr, None)) is not None}
     try:
-      snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()}))
+      snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()
+                                if name not in positions}))
       for attr, name in non_broadcast_attrs.items():
-        snapshot[name] = devices.fresh_copies(getattr(self, attr))
+        if name not in positions:
+          snapshot[name] = devices.fresh_copies(getattr(self, attr))
     except (AttributeError, TypeError, IndexError, ValueError):
       problem = checkpoint_attrs_problem(self)  # Looked for only now: saves are frequent.
       if problem:
         raise CheckpointAttrsError(problem) from None
       raise
+    snapshot.update(positions)
     return snapshot
 
   def restore_from_snapshot(self, snapshot_state: Mapping[str, Any]) -> None:
@@ -149,14 +156,21 @@ class AbstractExperiment(abc.ABC):
     made them), so sharded parameters come back sharded the same way.
     """
     attrs, non_broadcast_attrs = checkpoint_attrs(self)
+    for attr, name in {**attrs, **non_broadcast_attrs}.items():
+      if isinstance(snapshot_state[name], iterator_state.Position):
+        iterator_state.restore_attribute(self, attr, snapshot_state[name],
+                                         f"experiment_module/{name}")
     for attr, name in attrs.items():
+      if isinstance(snapshot_state[name], iterator_state.Position):
+        continue
       if mesh_lib.active_mesh() is None:
         value = devices.bcast_local_devices(snapshot_state[name])
       else:
         value = mesh_lib.restore_like(getattr(self, attr, None), snapshot_state[name])
       setattr(self, attr, devices.restored_like(getattr(self, attr, None), value))
     for attr, name in non_broadcast_attrs.items():
-      setattr(self, attr, devices.restored_like(getattr(self, attr, None), snapshot_state[name]))
+      if not isinstance(snapshot_state[name], iterator_state.Position):
+        setattr(self, attr, devices.restored_like(getattr(self, attr, None), snapshot_state[name]))
 
   def on_new_best_model(self, best_state) -> None:
     """Called after evaluation finds a new best metric, before `best` is saved.
@@ -197,6 +211,8 @@ def checkpoint_attrs_problem(experiment) -> str | None:
   if mesh_lib.active_mesh() is None:
     count = jax.local_device_count()
     for attr in attrs:
+      if iterator_state.kind_of(getattr(experiment, attr)) is not None:
+        continue
       for leaf in jax.tree.leaves(getattr(experiment, attr)):
         if getattr(leaf, "ndim", 0) < 1:
           return (f"{name}.CHECKPOINT_ATTRS entry {attr!r} holds {type(leaf).__name__} "
@@ -253,6 +269,9 @@ def describe_state(experiment) -> str:
     value = getattr(experiment, attr, None)
     if value is None:
       parts.append(f"{name}: not built yet")
+      continue
+    if iterator_state.kind_of(value) is not None:
+      parts.append(f"{name}: an iterator's position ({iterator_state.kind_of(value)})")
       continue
     values = size = 0
     plain = []  # Python numbers and strings, shown as they are.

@@ -30,7 +30,7 @@ import time
 
 from absl import logging
 
-from jaxline_ng import multihost, periodic
+from jaxline_ng import base_config, multihost, periodic
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A scheduler script can
 # requeue a job that exits with it; the rerun resumes from `latest`.
@@ -51,6 +51,9 @@ _notice_through_jax = [False]
 _signalled = threading.Event()
 # Signals arriving this soon after the one acted on are the same request (`_watch_signals`).
 _SAME_REQUEST_SECS = 0.5
+# A step after which training stops as if preempted (saved, exit 75), on every
+# process at once: how `verify_resume` interrupts a run at an exact step.
+STOP_AFTER_STEP_ENV = "JAXLINE_NG_STOP_AFTER_STEP"
 
 
 class Preempted(Exception):
@@ -283,6 +286,7 @@ class StopCheck(periodic.EveryStepAction):
 
   def __init__(self, budget_secs: float | None = None, start_step: int = 0):
     self._budget_secs = budget_secs
+    self._stop_after_step = _stop_after_step()
     self._agreed = multihost.is_multiprocess()
     if self._agreed:
       multihost.stop_agreed(start_step)
@@ -291,6 +295,9 @@ class StopCheck(periodic.EveryStepAction):
     self._deadline = None if budget_secs is None else time.monotonic() + budget_secs
 
   def __call__(self, t: float, step: int, scalars) -> None:
+    if step == self._stop_after_step:
+      # Every process stops here alone: they all know the step.
+      raise Preempted(f"stopped after step {step} as {STOP_AFTER_STEP_ENV} asks")
     if self._deadline is not None and time.monotonic() >= self._deadline:
       self._deadline = None
       logging.warning("[jaxline_ng] The wall-clock budget of %gs is spent: stopping.",
@@ -305,3 +312,14 @@ class StopCheck(periodic.EveryStepAction):
                         "after a preemption notice")
     elif _stop_requested.is_set():
       raise Preempted(f"stopped by {_reason[0]} after step {step}")
+
+
+def _stop_after_step() -> int | None:
+  """The step `STOP_AFTER_STEP_ENV` names, or None; a value that is no step is refused."""
+  text = os.environ.get(STOP_AFTER_STEP_ENV, "")
+  if not text:
+    return None
+  if not text.isdigit() or int(text) < 1:
+    raise base_config.ConfigError(
+        f"{STOP_AFTER_STEP_ENV}={text!r}: expected a step number, 1 or more")
+  return int(text)

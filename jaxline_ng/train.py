@@ -26,6 +26,7 @@ from jaxline_ng import (
   debugging,
   devices,
   guards,
+  iterator_state,
   multihost,
   periodic,
   preemption,
@@ -274,7 +275,8 @@ class _SaveAction(periodic.PeriodicAction):
 def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
                               guard: guards.NonFiniteGuard,
                               differing_copies: _DifferingCopies,
-                              peer_checks: guards.PeerChecks | None = None):
+                              peer_checks: guards.PeerChecks | None = None,
+                              peer_positions: iterator_state.PeerPositions | None = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
   The guard sees what logging and writing copy to the host, and each save
@@ -339,6 +341,11 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
     del step, scalars
     if saved_at[0] == state.global_step:
       return  # The final save right after a periodic one at the same step.
+    if peer_positions is not None:
+      peer_positions.at_save(state.experiment_module, state.global_step)
+    if not save_checkpoints:  # A process that only hands its data positions to the chief.
+      saved_at[0] = state.global_step
+      return
     if "checkpoint" in actions and keeps_our_entries:
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if durable:
@@ -355,7 +362,8 @@ def _default_periodic_actions(config, checkpointer, writer, state, save_checkpoi
 
   # As in jaxline: no periodic saves with an interval of 0, and growth ratios
   # add saves too where the interval counts steps.
-  if save_checkpoints and config.save_checkpoint_interval > 0:
+  publishes = peer_positions is not None and bool(peer_positions.names)
+  if (save_checkpoints or publishes) and config.save_checkpoint_interval > 0:
     checkpoint_type = _interval_type(config, "checkpoint_interval_type")
     actions["checkpoint"] = _SaveAction(
         save_latest, checkpoint_type, config.save_checkpoint_interval, run_async=False,
@@ -464,9 +472,14 @@ def train(experiment_class, config, checkpointer, writer,
     if not save_checkpoints:
       peer_checks.answer()
   differing_copies = _DifferingCopies(state.experiment_module if save_checkpoints else None)
+  peer_positions = None
+  if multihost.is_multiprocess() and not checkpointing.in_memory_only(checkpointer):
+    peer_positions = iterator_state.PeerPositions(config, state.experiment_module)
+  # Every process runs the saves where each hands its data positions to the chief's.
+  saves = save_checkpoints or bool(peer_positions and peer_positions.names)
   default_actions, save_latest = _default_periodic_actions(
       config, checkpointer, writer, state, save_checkpoints, guard, differing_copies,
-      peer_checks)
+      peer_checks, peer_positions)
   for action in periodic_actions:  # As jaxline: the caller's actions count from now.
     if hasattr(action, "update_time"):
       action.update_time(time.time(), state.global_step)
@@ -483,7 +496,7 @@ def train(experiment_class, config, checkpointer, writer,
   actions = (_FirstStepChecks(state.experiment_module if save_checkpoints else None,
                               differing_copies),
              *periodic_actions, *own_actions)
-  if config.save_initial_train_checkpoint and save_checkpoints and not resumed:
+  if config.save_initial_train_checkpoint and saves and not resumed:
     save_latest()
 
   # --- The loop, then the final step's logging and save. ---
@@ -509,7 +522,7 @@ def train(experiment_class, config, checkpointer, writer,
       action.wait_to_finish()
     for action in own_actions:  # Logs and writes the last step even if it was not due.
       action.finish()
-    if save_checkpoints:
+    if saves:
       with experiment_lib.log_activity("final checkpoint"):
         save_latest()
   except BaseException as error:

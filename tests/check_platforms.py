@@ -22,10 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {
     "Linux x86_64": ({"platform_system": "Linux", "platform_machine": "x86_64",
                       "sys_platform": "linux"},
-                     ["manylinux_2_27_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64"]),
+                     ["manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x86_64",
+                      "manylinux_2_17_x86_64"]),
     "Linux aarch64": ({"platform_system": "Linux", "platform_machine": "aarch64",
                        "sys_platform": "linux"},
-                      ["manylinux_2_27_aarch64", "manylinux2014_aarch64",
+                      ["manylinux_2_27_aarch64", "manylinux_2_24_aarch64", "manylinux2014_aarch64",
                        "manylinux_2_17_aarch64"]),
     "macOS arm64": ({"platform_system": "Darwin", "platform_machine": "arm64",
                      "sys_platform": "darwin"},
@@ -35,7 +36,9 @@ TARGETS = {
 
 def requirements_for(environment: dict) -> list[str]:
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-    dependencies = tomllib.load(f)["project"]["dependencies"]
+    project = tomllib.load(f)["project"]
+  # The examples' extra too: `make` installs it, and grain's wheels are per platform.
+  dependencies = [*project["dependencies"], *project["optional-dependencies"]["examples"]]
   selected = []
   for line in dependencies:
     requirement = Requirement(line)
@@ -62,7 +65,7 @@ def main() -> int:
     installed = {item["metadata"]["name"].lower(): item["metadata"]["version"]
                  for item in json.loads(result.stdout)["install"]}
     shown = ", ".join(f"{n} {installed[n]}" for n in sorted(installed)
-                      if n.startswith(("tensorflow", "jax", "orbax")))
+                      if n.startswith(("tensorflow", "jax", "orbax", "grain")))
     print(f"{name}: resolves ({len(installed)} packages): {shown}")
   return 1 if failures else 0
 

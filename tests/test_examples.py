@@ -189,19 +189,26 @@ def test_published_style_experiment(runs):
 # --- data contracts, in process ----------------------------------------------
 
 
-def test_digits_batches_are_a_function_of_the_step():
+def test_digits_batches_are_reshuffled_every_epoch_and_resume_from_their_position():
   digits = load_module(DIGITS)
-  num, batch, seed = 100, 32, 3
-  indices = [digits.train_batch_indices(step, batch, num, seed) for step in range(25)]
-  # Same (seed, step), same batch: a resumed run reads what the first run did.
-  np.testing.assert_array_equal(indices[7], digits.train_batch_indices(7, batch, num, seed))
-  # The stream visits every example once per epoch (8 epochs in 25 steps).
-  stream = np.concatenate(indices)
-  for epoch in range(8):
+  num, batch, seed = 100, 20, 3
+  data = {"labels": np.arange(num)}
+  batches = digits.train_batches(data, batch, seed)
+  stream = np.concatenate([next(batches)["labels"] for _ in range(12)])  # 2.4 epochs.
+  # Every example once per epoch, in another order each epoch and for another seed.
+  for epoch in range(2):
     assert sorted(stream[epoch * num:(epoch + 1) * num]) == list(range(num))
   assert not np.array_equal(stream[:num], stream[num:2 * num])
-  assert not np.array_equal(stream, np.concatenate(
-      [digits.train_batch_indices(step, batch, num, seed + 1) for step in range(25)]))
+  other_seed = digits.train_batches(data, batch, seed + 1)
+  assert not np.array_equal(stream[:batch], next(other_seed)["labels"])
+  # A fresh iterator given the position after 7 batches (mid-epoch) reads on from there.
+  position = digits.train_batches(data, batch, seed)
+  for _ in range(7):
+    next(position)
+  resumed = digits.train_batches(data, batch, seed)
+  resumed.set_state(position.get_state())
+  np.testing.assert_array_equal(
+      np.concatenate([next(resumed)["labels"] for _ in range(5)]), stream[7 * batch:])
 
 
 def test_digits_held_out_split_is_fixed_and_disjoint():

@@ -18,15 +18,16 @@ What to look at when forking:
   * `get_config`: base config + `experiment_kwargs.config`, locked.
   * `Experiment.__init__`: replicated params and optimizer state (the
     `CHECKPOINT_ATTRS`) and a pmapped, buffer-donating update.
-  * `_train_batches`: per-device batches as a pure function of the step,
-    prefetched on a thread and copied to the devices one step ahead.
+  * `train_batches`: a grain pipeline shuffled per epoch, read on grain's
+    threads; its iterator is in `NON_BROADCAST_CHECKPOINT_ATTRS`, so a run
+    resumed in the middle of an epoch reads on from the batch it reached.
   * `evaluate`: the whole held-out set, sums then means, padded last batch,
     images and extra scalars written through `writer`.
 """
 
 import functools
-import itertools
 
+import grain
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ def get_config(arg: str = ""):
         --jaxline_mode=train_eval_multithreaded --config.checkpoint_dir=/tmp/digits
 
   21-26 s wall-clock including start-up; eval_accuracy 0.994 at step 1200
-  (0.989 already at step 200). `:smoke` trains 10 steps in ~12 s.
+  (0.992 already at step 200). `:smoke` trains 10 steps in ~12 s.
   """
   if arg not in ("", "smoke"):
     raise ValueError(f"unknown config argument {arg!r}; expected '' or 'smoke'")
@@ -83,7 +84,7 @@ def get_config(arg: str = ""):
       eval_batch_size=128,
       learning_rate=2e-3,
       weight_decay=1e-4,
-      # Seeds the training data order (see `train_batch_indices`).
+      # Seeds the training data order (see `train_batches`).
       data_seed=0,
       # Augmentation: random shifts of up to this many pixels.
       max_shift=1,
@@ -109,23 +110,21 @@ def load_split():
           dict(images=images[held_out], labels=labels[held_out]))
 
 
-def train_batch_indices(step: int, batch_size: int, num_examples: int, seed: int):
-  """The example indices of the global batch of training step `step`.
+def train_batches(data, per_process_batch: int, seed: int):
+  """An iterator over this process's training batches, endless, reshuffled every epoch.
 
-  The data contract: batches are a pure function of (seed, step). The example
-  stream is epoch 0's shuffle, then epoch 1's, ..., each shuffle seeded by
-  (seed, epoch), and step s reads positions [s*B, (s+1)*B) of it. A run
-  resumed from a checkpoint at step s therefore reads exactly the batches the
-  uninterrupted run would have, with no data-order state to checkpoint.
+  Each process reads its own share of every epoch's order. The iterator
+  reports its position (`get_state`), which the checkpoint keeps: a resumed
+  run sets it back and reads the batches the uninterrupted run would have.
   """
-  positions = step * batch_size + np.arange(batch_size)
-  epochs, offsets = np.divmod(positions, num_examples)
-  indices = np.empty(batch_size, np.int64)
-  for epoch in np.unique(epochs):  # At most two epochs meet in one batch.
-    shuffle = np.random.default_rng([seed, int(epoch)]).permutation(num_examples)
-    in_epoch = epochs == epoch
-    indices[in_epoch] = shuffle[offsets[in_epoch]]
-  return indices
+  num_examples = len(data["labels"])
+  indices = grain.MapDataset.range(num_examples).seed(seed).shuffle().repeat(None)
+  indices = indices[jax.process_index()::jax.process_count()]
+  batches = indices.batch(per_process_batch, drop_remainder=True).map(
+      lambda batch_indices: jax.tree.map(lambda x: x[batch_indices], data))
+  # Batches are made on grain's threads, a few ahead; the position it reports
+  # is the consumer's, so prefetching never shifts what a checkpoint resumes.
+  return iter(batches.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)))
 
 
 def random_shift(rng, images, max_shift: int):
@@ -187,6 +186,8 @@ class Experiment(experiment.AbstractExperiment):
   # Replicated on every device; the framework checkpoints one copy and
   # replicates it again on restore.
   CHECKPOINT_ATTRS = {"_params": "params", "_opt_state": "opt_state"}
+  # This process's data iterator: its position is checkpointed, per process.
+  NON_BROADCAST_CHECKPOINT_ATTRS = {"_train_input": "train_iterator"}
 
   def __init__(self, mode, init_rng, config):
     super().__init__(mode=mode, init_rng=init_rng)
@@ -217,26 +218,11 @@ class Experiment(experiment.AbstractExperiment):
     # update them in place.
     self._update_pmap = jax.pmap(self._update, axis_name="i", donate_argnums=(0, 1))
     self._eval_batch = jax.jit(self._eval_sums)
-    self._train_input = None  # Built at the first step, once the start step is known.
+    # Built here, in every mode, so that a restore sets its position.
+    self._train_input = train_batches(
+        self._train_data, jax.local_device_count() * self._per_device_batch, config.data_seed)
 
   # --- Training. ---
-
-  def _train_batches(self, start_step: int):
-    """Yields this process's per-device batches from `start_step` on.
-
-    Leading axis: jax.local_device_count(); this process takes its own slice
-    of each global batch.
-    """
-    num_local = jax.local_device_count()
-    per_process = num_local * self._per_device_batch
-    mine = slice(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
-    for step in itertools.count(start_step):
-      indices = train_batch_indices(
-          step, self.config.global_batch_size, len(self._train_data["labels"]),
-          self.config.data_seed)[mine]
-      yield jax.tree.map(
-          lambda x: x[indices].reshape((num_local, self._per_device_batch) + x.shape[1:]),
-          self._train_data)
 
   def _update(self, params, opt_state, batch, rng):
     """One optimizer step on one device's shard of the batch; gradients are averaged."""
@@ -258,16 +244,16 @@ class Experiment(experiment.AbstractExperiment):
     return params, opt_state, jax.lax.pmean(scalars, axis_name="i")
 
   def step(self, global_step, rng, writer):
-    del writer  # The framework writes the returned scalars.
-    if self._train_input is None:
-      # After a restore this is the resumed step, so the data carries on.
-      start_step = int(utils.get_first(global_step))
-      self._train_input = utils.double_buffer(
-          utils.py_prefetch(lambda: self._train_batches(start_step)))
+    # The iterator knows its position; the framework writes the returned scalars.
+    del global_step, writer
+    # Leading axis: one slice of this process's batch per local device.
+    batch = jax.tree.map(
+        lambda x: x.reshape((jax.local_device_count(), self._per_device_batch) + x.shape[1:]),
+        next(self._train_input))
     # `rng` holds one key per device: each device shifts and drops out
     # differently, and every step differently.
     self._params, self._opt_state, scalars = self._update_pmap(
-        self._params, self._opt_state, next(self._train_input), rng)
+        self._params, self._opt_state, batch, rng)
     # One copy per device is fine: the framework reads the first when it logs.
     return scalars
 
