@@ -20,11 +20,7 @@ the same, and on another topology each device still gets its own
 deterministic key.
 """
 
-import contextlib
 import enum
-import functools
-import threading
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -113,12 +109,6 @@ def replicate_key(key):
   return devices.placed_from_host(key, mesh_lib.replicate)
 
 
-# Steps whose keys one dispatch computes. A dispatch costs the training thread
-# far more than the ready arrays it hands out, so the loop pays one per 32
-# steps, not one per step.
-STEPS_PER_DISPATCH = 32
-
-
 def _split_once(chain, mode: str, process: int):
   """`(step key, next chain)`: jaxline's split, the step key specialised by `mode`."""
   # Mesh mode: one global key, per-device keys the step's business. A raw key
@@ -133,76 +123,21 @@ def _split_once(chain, mode: str, process: int):
   return step_keys, children[:, 1]
 
 
-@debugging.compiled(static_argnames=("mode", "process", "num_steps"))
-def _split_steps(chain, mode: str, process: int, num_steps: int):
+@debugging.compiled(static_argnames=("mode", "process"))
+def _split(chain, mode: str, process: int):
   check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
-
-  def one_step(current, _):
-    step_key, next_chain = _split_once(current, mode, process)
-    return next_chain, (step_key, next_chain)
-
-  _, (step_keys, chains) = jax.lax.scan(one_step, chain, length=num_steps)
-  # One array per step, so handing a step its keys needs no further dispatch.
-  return [step_keys[i] for i in range(num_steps)], [chains[i] for i in range(num_steps)]
+  return _split_once(chain, mode, process)
 
 
-@contextlib.contextmanager
-def keys_compiled_meanwhile(train_key, mode: str) -> Iterator[None]:
-  """Within the block, a thread compiles the step keys' program for the
-  default chain (`replicate_key(train_key)`), so the first step need not.
+def step_keys(chain, mode: str):
+  """`(step_rng, next_chain)` for the training step that starts from `chain`.
 
-  The block is the experiment's construction, which the compilation then
-  overlaps. The thread is joined when the block ends, however it ends: one
-  still compiling when the interpreter exits aborts it. A failure to compile is
-  left to the loop's own call, which raises it. Single-process runs only:
-  with several, placing a key on global devices is left to the loop, which
-  every process runs alike.
-  """
-  if jax.process_count() > 1:
-    yield
-    return
-
-  def compile_keys():
-    try:
-      _split_steps.jitted.lower(replicate_key(train_key), mode=mode,
-                                process=jax.process_index(),
-                                num_steps=STEPS_PER_DISPATCH).compile()
-    except Exception:  # pylint: disable=broad-except  (the loop's call raises it)
-      pass
-
-  compiler = threading.Thread(target=compile_keys, name="jaxline_ng_compile_keys", daemon=True)
-  compiler.start()
-  try:
-    yield
-  finally:
-    compiler.join()
-
-
-class StepKeys:
-  """Hands each training step its key and the chain key after it.
-
-  `next(chain)` returns `(step_rng, next_chain)` for the step that starts
-  from `chain` (`state.train_step_rng`): `[local devices, 2]` in pmap mode,
-  one key in mesh mode. The step's key is specialised by `mode`
+  `chain` is `state.train_step_rng`: `[local devices, 2]` in pmap mode, one
+  key in mesh mode. The step's key is specialised by `mode`
   (`config.random_mode_train`; in mesh mode only its host part applies).
-  The keys of `STEPS_PER_DISPATCH` steps come from one dispatch; a chain
-  other than the one handed out last (a restore, or code that sets
-  `state.train_step_rng`) starts a new block from it, so the keys always
-  follow from the chain given.
+  One dispatch, not waited for.
   """
-
-  def __init__(self, mode: str):
-    self._mode = mode
-    self._ready: list[tuple[jax.Array, jax.Array]] = []
-    self._handed_out = None
-
-  def next(self, chain):
-    if chain is not self._handed_out or not self._ready:
-      step_keys, chains = _split_steps(chain, mode=self._mode, process=jax.process_index(),
-                                       num_steps=STEPS_PER_DISPATCH)
-      self._ready = list(zip(step_keys, chains))[::-1]
-    step_rng, self._handed_out = self._ready.pop()
-    return step_rng, self._handed_out
+  return _split(chain, mode=mode, process=jax.process_index())
 
 
 def _host_part_only(mode: str) -> str:
@@ -276,8 +211,4 @@ def step_counter(global_step: int):
   """
   if mesh_lib.active_mesh() is not None:
     return np.int32(global_step)
-  return np.array((global_step,) * _local_device_count(), np.int32)
-
-
-# Asked for by every step: JAX's own count is slower than building the counter.
-_local_device_count = functools.cache(jax.local_device_count)
+  return np.full(jax.local_device_count(), global_step, np.int32)

@@ -1,7 +1,6 @@
 """Random keys: jaxline's streams, the random modes, and resuming the chain."""
 
 import functools
-import logging
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ def chain_of(seed):
 
 def step_keys(mode, process_index, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: process_index)
-  step_rng, _ = rng.StepKeys(mode).next(chain_of(0))
+  step_rng, _ = rng.step_keys(chain_of(0), mode)
   return np.asarray(step_rng)
 
 
@@ -38,7 +37,7 @@ def test_random_mode_relations(monkeypatch, mode, hosts_differ, devices_differ):
 
 def test_unknown_mode_is_rejected_with_its_name():
   with pytest.raises(ValueError, match="'unique_everything'"):
-    rng.StepKeys("unique_everything").next(chain_of(0))
+    rng.step_keys(chain_of(0), "unique_everything")
   with pytest.raises(ValueError, match="'unique_everything'"):  # As jaxline's enum refused it.
     rng.host_id_devices_for_rng("unique_everything")
   with pytest.raises(ValueError, match="random_mode_eval='unique_everything'"):
@@ -64,9 +63,8 @@ def test_step_keys_are_those_of_jaxlines_per_step_pmap(mode):
     return rng.specialize_rng_host_device(step_key, host_id, "i", mode), next_chain
 
   chain = expected_chain = chain_of(3)
-  keys = rng.StepKeys(mode)
-  for _ in range(rng.STEPS_PER_DISPATCH + 3):  # Across a block boundary.
-    step_rng, chain = keys.next(chain)
+  for _ in range(5):
+    step_rng, chain = rng.step_keys(chain, mode)
     expected_rng, expected_chain = jaxline_step(
         expected_chain, host_ids if host_ids is not None else np.zeros(len(step_rng), np.int32))
     np.testing.assert_array_equal(step_rng, expected_rng)
@@ -75,28 +73,20 @@ def test_step_keys_are_those_of_jaxlines_per_step_pmap(mode):
 
 def test_resuming_from_a_saved_chain_continues_the_same_keys():
   mode = "unique_host_unique_device"
-  chain, keys, saved, stream = chain_of(1), [], None, rng.StepKeys(mode)
+  chain, keys, saved = chain_of(1), [], None
   for step in range(40):
-    step_rng, chain = stream.next(chain)
+    step_rng, chain = rng.step_keys(chain, mode)
     keys.append(np.asarray(step_rng))
     if step == 2:
       saved = np.asarray(chain)  # What a checkpoint after step 3 holds.
-  resumed, stream = rng.place_chain(saved), rng.StepKeys(mode)
+  resumed = rng.place_chain(saved)
   for step in range(3, 40):
-    step_rng, resumed = stream.next(resumed)
+    step_rng, resumed = rng.step_keys(resumed, mode)
     np.testing.assert_array_equal(step_rng, keys[step])
 
 
-def test_a_chain_set_from_outside_starts_a_new_block_from_it():
-  stream = rng.StepKeys("same_host_unique_device")
-  first_rng, _ = stream.next(chain_of(5))
-  stream.next(chain_of(6))  # e.g. a restore replaced state.train_step_rng
-  again_rng, _ = stream.next(chain_of(5))
-  np.testing.assert_array_equal(again_rng, first_rng)
-
-
 def test_step_keys_are_ready_arrays_with_one_row_per_device():
-  step_rng, chain = rng.StepKeys("unique_host_unique_device").next(chain_of(2))
+  step_rng, chain = rng.step_keys(chain_of(2), "unique_host_unique_device")
   for array in (step_rng, chain):
     assert isinstance(array, jax.Array)
     assert [shard.data.shape for shard in array.addressable_shards] == \
@@ -119,9 +109,8 @@ def test_per_device_chains_refuse_another_device_count_naming_both():
 
 
 def test_step_key_is_not_the_next_chain_key():
-  stream = rng.StepKeys("same_host_same_device")
-  step_rng, chain = stream.next(chain_of(1))
-  next_rng, _ = stream.next(chain)
+  step_rng, chain = rng.step_keys(chain_of(1), "same_host_same_device")
+  next_rng, _ = rng.step_keys(chain, "same_host_same_device")
   assert not np.array_equal(step_rng, chain)
   # What a step derives by splitting its key never becomes a later step's key.
   children = np.asarray(jax.vmap(jax.random.split)(step_rng))
@@ -143,26 +132,15 @@ def test_step_counter_is_a_host_array_per_device():
   assert (steps == 12).all()
 
 
-def test_the_step_keys_are_compiled_while_the_experiment_is_constructed(caplog):
-  rng._split_steps.jitted.clear_cache()  # pylint: disable=protected-access
-  key = jax.random.PRNGKey(7)
-  with rng.keys_compiled_meanwhile(key, "unique_host_unique_device"):
-    pass  # The experiment's construction.
-  with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
-    rng.StepKeys("unique_host_unique_device").next(rng.replicate_key(key))
-  assert "_split_steps" not in caplog.text
-
-
 @pytest.mark.parametrize("mode", ["unique_host_unique_device", "same_host_same_device"])
 def test_typed_keys_give_the_same_stream_as_raw_ones(mode):
   """A typed chain (`jax_enable_custom_prng`, `jax.random.key`) yields typed
   step keys with the raw chain's data, and restores typed or raw as the run's is."""
   raw, typed = chain_of(3), devices.bcast_local_devices(jax.random.wrap_key_data(
       jax.random.PRNGKey(3)))
-  raw_keys, typed_keys = rng.StepKeys(mode), rng.StepKeys(mode)
   for _ in range(3):
-    raw_rng, raw = raw_keys.next(raw)
-    typed_rng, typed = typed_keys.next(typed)
+    raw_rng, raw = rng.step_keys(raw, mode)
+    typed_rng, typed = rng.step_keys(typed, mode)
     assert devices.is_typed_key(typed_rng) and typed_rng.shape == (jax.local_device_count(),)
     np.testing.assert_array_equal(jax.random.key_data(typed_rng), raw_rng)
     np.testing.assert_array_equal(jax.random.key_data(typed), raw)
