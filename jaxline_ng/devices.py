@@ -71,22 +71,31 @@ def _drop_leading_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
+# Per (sharding, shape): `_placement`'s answer. Finding it builds an object per
+# device (`addressable_shards`): repeated for every leaf of every save, it cost
+# in-memory saves every 10 steps 5 % of the loop's speed.
+_placements: dict[tuple[Any, tuple[int, ...]], tuple[int | None, bool]] = {}
+
+
 def _placement(leaf: jax.Array) -> tuple[int | None, bool]:
   """`(position, one_copy)`: the position of the shard of `leaf` that holds
   `leaf[0]` whole (the whole value if replicated), or None when none does (an
   array split along a later axis, such as a mesh's `model` axis); and whether
   one shard is one whole copy: the value of a replicated array, or the first
   row of a per-device one."""
-  position = next(
-      (position for position, shard in enumerate(leaf.addressable_shards)
-       if all(index.start in (None, 0) and (axis == 0 or index.stop in (None, size))
-              for axis, (index, size) in enumerate(zip(shard.index, leaf.shape)))),
-      None)
-  devices = len(leaf.sharding.addressable_devices)
-  one_copy = leaf.is_fully_replicated or (
-      bool(leaf.shape) and leaf.shape[0] == devices
-      and leaf.sharding.shard_shape(leaf.shape)[0] == 1 and position is not None)
-  return position, one_copy
+  key = (leaf.sharding, leaf.shape)
+  if key not in _placements:
+    position = next(
+        (position for position, shard in enumerate(leaf.addressable_shards)
+         if all(index.start in (None, 0) and (axis == 0 or index.stop in (None, size))
+                for axis, (index, size) in enumerate(zip(shard.index, leaf.shape)))),
+        None)
+    devices = len(leaf.sharding.addressable_devices)
+    one_copy = leaf.is_fully_replicated or (
+        bool(leaf.shape) and leaf.shape[0] == devices
+        and leaf.sharding.shard_shape(leaf.shape)[0] == 1 and position is not None)
+    _placements[key] = (position, one_copy)
+  return _placements[key]
 
 
 def _first_shard(leaf: Any) -> Any:
