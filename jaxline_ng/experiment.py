@@ -102,10 +102,10 @@ class AbstractExperiment(abc.ABC):
     not read, and logging that has fallen a second behind.
     """
     step = keyword_filtered(self.step)
+    step_keys = rng_lib.StepKeys(config.random_mode_train)
     with log_activity("training loop"):
       while self.should_run_step(state.global_step, config):
-        step_rng, state.train_step_rng = rng_lib.step_keys(state.train_step_rng,
-                                                           config.random_mode_train)
+        step_rng, state.train_step_rng = step_keys.next(state.train_step_rng)
         with jax.profiler.StepTraceAnnotation("train", step_num=state.global_step):
           scalars = step(global_step=rng_lib.step_counter(state.global_step), rng=step_rng,
                          writer=writer)

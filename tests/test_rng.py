@@ -15,7 +15,7 @@ def chain_of(seed):
 
 def step_keys(mode, process_index, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: process_index)
-  step_rng, _ = rng.step_keys(chain_of(0), mode)
+  step_rng, _ = rng.StepKeys(mode).next(chain_of(0))
   return np.asarray(step_rng)
 
 
@@ -37,7 +37,7 @@ def test_random_mode_relations(monkeypatch, mode, hosts_differ, devices_differ):
 
 def test_unknown_mode_is_rejected_with_its_name():
   with pytest.raises(ValueError, match="'unique_everything'"):
-    rng.step_keys(chain_of(0), "unique_everything")
+    rng.StepKeys("unique_everything").next(chain_of(0))
   with pytest.raises(ValueError, match="'unique_everything'"):  # As jaxline's enum refused it.
     rng.host_id_devices_for_rng("unique_everything")
   with pytest.raises(ValueError, match="random_mode_eval='unique_everything'"):
@@ -63,8 +63,9 @@ def test_step_keys_are_those_of_jaxlines_per_step_pmap(mode):
     return rng.specialize_rng_host_device(step_key, host_id, "i", mode), next_chain
 
   chain = expected_chain = chain_of(3)
-  for _ in range(5):
-    step_rng, chain = rng.step_keys(chain, mode)
+  keys = rng.StepKeys(mode)
+  for _ in range(rng.STEPS_PER_DISPATCH + 3):  # Across a block boundary.
+    step_rng, chain = keys.next(chain)
     expected_rng, expected_chain = jaxline_step(
         expected_chain, host_ids if host_ids is not None else np.zeros(len(step_rng), np.int32))
     np.testing.assert_array_equal(step_rng, expected_rng)
@@ -73,20 +74,28 @@ def test_step_keys_are_those_of_jaxlines_per_step_pmap(mode):
 
 def test_resuming_from_a_saved_chain_continues_the_same_keys():
   mode = "unique_host_unique_device"
-  chain, keys, saved = chain_of(1), [], None
+  chain, keys, saved, stream = chain_of(1), [], None, rng.StepKeys(mode)
   for step in range(40):
-    step_rng, chain = rng.step_keys(chain, mode)
+    step_rng, chain = stream.next(chain)
     keys.append(np.asarray(step_rng))
     if step == 2:
       saved = np.asarray(chain)  # What a checkpoint after step 3 holds.
-  resumed = rng.place_chain(saved)
+  resumed, stream = rng.place_chain(saved), rng.StepKeys(mode)
   for step in range(3, 40):
-    step_rng, resumed = rng.step_keys(resumed, mode)
+    step_rng, resumed = stream.next(resumed)
     np.testing.assert_array_equal(step_rng, keys[step])
 
 
+def test_a_chain_set_from_outside_starts_a_new_block_from_it():
+  stream = rng.StepKeys("same_host_unique_device")
+  first_rng, _ = stream.next(chain_of(5))
+  stream.next(chain_of(6))  # e.g. a restore replaced state.train_step_rng
+  again_rng, _ = stream.next(chain_of(5))
+  np.testing.assert_array_equal(again_rng, first_rng)
+
+
 def test_step_keys_are_ready_arrays_with_one_row_per_device():
-  step_rng, chain = rng.step_keys(chain_of(2), "unique_host_unique_device")
+  step_rng, chain = rng.StepKeys("unique_host_unique_device").next(chain_of(2))
   for array in (step_rng, chain):
     assert isinstance(array, jax.Array)
     assert [shard.data.shape for shard in array.addressable_shards] == \
@@ -109,8 +118,9 @@ def test_per_device_chains_refuse_another_device_count_naming_both():
 
 
 def test_step_key_is_not_the_next_chain_key():
-  step_rng, chain = rng.step_keys(chain_of(1), "same_host_same_device")
-  next_rng, _ = rng.step_keys(chain, "same_host_same_device")
+  stream = rng.StepKeys("same_host_same_device")
+  step_rng, chain = stream.next(chain_of(1))
+  next_rng, _ = stream.next(chain)
   assert not np.array_equal(step_rng, chain)
   # What a step derives by splitting its key never becomes a later step's key.
   children = np.asarray(jax.vmap(jax.random.split)(step_rng))
@@ -138,9 +148,10 @@ def test_typed_keys_give_the_same_stream_as_raw_ones(mode):
   step keys with the raw chain's data, and restores typed or raw as the run's is."""
   raw, typed = chain_of(3), devices.bcast_local_devices(jax.random.wrap_key_data(
       jax.random.PRNGKey(3)))
+  raw_keys, typed_keys = rng.StepKeys(mode), rng.StepKeys(mode)
   for _ in range(3):
-    raw_rng, raw = rng.step_keys(raw, mode)
-    typed_rng, typed = rng.step_keys(typed, mode)
+    raw_rng, raw = raw_keys.next(raw)
+    typed_rng, typed = typed_keys.next(typed)
     assert devices.is_typed_key(typed_rng) and typed_rng.shape == (jax.local_device_count(),)
     np.testing.assert_array_equal(jax.random.key_data(typed_rng), raw_rng)
     np.testing.assert_array_equal(jax.random.key_data(typed), raw)
