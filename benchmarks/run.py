@@ -16,8 +16,9 @@ steps), so the precision comes from the number of pairs: many short runs
 Prints a table and writes it as JSON (`--out`).
 
 - loop: steps/s of the same pmapped MLP update driven by a hand-written loop
-  (replicated state, per-step key split inside the update, one pmap call per
-  step, scalars fetched every 100 steps) and by `jaxline_ng.train` (progress
+  under the framework's contract (replicated state; each step a fresh
+  per-device key split from a kept chain by one jitted call, then one pmap
+  call; scalars fetched every 100 steps) and by `jaxline_ng.train` (progress
   logged every 100 steps). Ratio = framework / hand. Both import jaxline_ng,
   so both run with the XLA CPU thread pool it sizes (`jaxline_ng/xla_cpu.py`).
 - loop_mesh: the same in mesh mode: a hand-written `jax.jit` loop over global
@@ -72,32 +73,43 @@ def _timed_steps(warmup: int, steps: int):
   return action, lambda: steps / (marks[warmup + steps] - marks[warmup])
 
 
-def _update_and_split(params, opt_state, batch, key):
-  """The hand-written loops' step: the workload's update, splitting its key inside."""
-  import jax  # pylint: disable=import-outside-toplevel
-
+def _update(params, opt_state, batch, step_key):
+  """The hand-written pmap loop's step: the workload's update with the step's key."""
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
-  next_key, step_key = jax.random.split(key)
-  params, opt_state, loss = workloads.update(params, opt_state, batch, step_key)
-  return params, opt_state, loss, next_key
+  return workloads.update(params, opt_state, batch, step_key)
 
 
-def _update_global_and_split(params, opt_state, batch, key):
-  import jax  # pylint: disable=import-outside-toplevel
-
+def _update_global(params, opt_state, batch, step_key):
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
-  next_key, step_key = jax.random.split(key)
-  params, opt_state, loss = workloads.update_global(params, opt_state, batch, step_key)
-  return params, opt_state, loss, next_key
+  return workloads.update_global(params, opt_state, batch, step_key)
 
 
-def _hand_loop(update, params, opt_state, batch, key, warmup: int, steps: int,
+def _per_device_step_keys(chain):
+  """jaxline's contract, written by hand: split the replicated chain, fold each
+  device's position into its step key."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  children = jax.vmap(jax.random.split)(chain)
+  step_keys = jax.vmap(jax.random.fold_in)(children[:, 0], jnp.arange(chain.shape[0]))
+  return step_keys, children[:, 1]
+
+
+def _global_step_key(chain):
+  import jax  # pylint: disable=import-outside-toplevel
+  step_key, next_chain = jax.random.split(chain)
+  return step_key, next_chain
+
+
+def _hand_loop(update, next_keys, params, opt_state, batch, chain, warmup: int, steps: int,
                fetch_loss) -> dict:
-  """One pmap/jit call per step, the loss fetched every 100 steps; steps/s after warmup."""
+  """Under the framework's contract: each step gets a fresh key from outside
+  its update (one jitted split of the chain, then one pmap/jit call); the
+  loss fetched every 100 steps; steps/s after warmup."""
   import jax  # pylint: disable=import-outside-toplevel
   start = None
   for step in range(1, warmup + steps + 1):
-    params, opt_state, loss, key = update(params, opt_state, batch, key)
+    step_key, chain = next_keys(chain)
+    params, opt_state, loss = update(params, opt_state, batch, step_key)
     if step % 100 == 0:
       fetch_loss(loss)
     if step == warmup:
@@ -111,13 +123,12 @@ def worker_hand(warmup: int, steps: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
 
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
-  from jaxline_ng import devices, utils  # pylint: disable=import-outside-toplevel
-  update = jax.pmap(_update_and_split, axis_name="i", donate_argnums=(0, 1))
+  from jaxline_ng import utils  # pylint: disable=import-outside-toplevel
+  update = jax.pmap(_update, axis_name="i", donate_argnums=(0, 1))
   params, opt_state = workloads.initial_state()
-  return _hand_loop(update, utils.bcast_local_devices(params),
+  return _hand_loop(update, jax.jit(_per_device_step_keys), utils.bcast_local_devices(params),
                     utils.bcast_local_devices(opt_state), workloads.device_batch(),
-                    devices.put_per_device(jax.random.split(jax.random.PRNGKey(0),
-                                                            jax.local_device_count())),
+                    utils.bcast_local_devices(jax.random.PRNGKey(0)),
                     warmup, steps, lambda loss: float(loss.addressable_shards[0].data[0]))
 
 
@@ -129,10 +140,11 @@ def worker_hand_jit(warmup: int, steps: int) -> dict:
   config = base_config.get_base_config()
   config.placement = "mesh"
   mesh.activate(config)
-  update = jax.jit(_update_global_and_split, donate_argnums=(0, 1))
+  update = jax.jit(_update_global, donate_argnums=(0, 1))
   params, opt_state = mesh.replicate(workloads.initial_state())
-  return _hand_loop(update, params, opt_state, workloads.global_batch(),
-                    mesh.replicate(jax.random.PRNGKey(0)), warmup, steps, float)
+  return _hand_loop(update, jax.jit(_global_step_key), params, opt_state,
+                    workloads.global_batch(), mesh.replicate(jax.random.PRNGKey(0)), warmup,
+                    steps, float)
 
 
 def worker_framework(warmup: int, steps: int, write_every_step: bool,

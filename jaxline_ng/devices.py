@@ -72,8 +72,7 @@ def _drop_leading_axis(tree):
 
 
 # Per (sharding, shape): `_placement`'s answer. Finding it builds an object per
-# device (`addressable_shards`), too slow to repeat for every leaf of every
-# save and every logged scalar.
+# device (`addressable_shards`), too slow to repeat for every leaf of every save.
 _placements: dict[tuple[Any, tuple[int, ...]], tuple[int | None, bool]] = {}
 
 
@@ -109,79 +108,26 @@ def _first_shard(leaf: Any) -> Any:
   return leaf
 
 
-def _read_first_copy(leaf: jax.Array) -> np.ndarray:
-  """One transfer: the first shard if it is a whole copy, else the whole array."""
-  return np.asarray(_first_shard(leaf) if _placement(leaf)[1] else leaf)
-
-
-# Reading many arrays of one placement (the scalars of every step logged since
-# the last hand-over) stacks them on their devices first: one dispatch and one
-# transfer instead of one transfer each, and JAX builds a Python object per
-# device for each array it reads a shard of. Stacks are padded to a power of
-# two up to this size, so a placement compiles a few stacking programs, not
-# one per count; fewer arrays than `_MIN_STACK` are read one by one.
-_MAX_STACK = 128
-_MIN_STACK = 4
-
-
-@functools.cache
-def _stacker(sharding: jax.sharding.Sharding):
-  """A jitted stack of arrays placed like `sharding` that keeps each device's
-  data on its device (no communication), or None for other placements."""
-  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    out_sharding = sharding
-  elif isinstance(sharding, NamedSharding):
-    out_sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
-  else:
-    return None
-  return debugging.compiled(jnp.stack, out_shardings=out_sharding)
-
-
-def first_copies_to_host(trees: list[Any]) -> list[Any]:
-  """`trees` on the host, each replicated or per-device array read from the
-  first local device only. A per-device array keeps its leading axis, of
+def first_copy_to_host(tree: Any) -> Any:
+  """`tree` on the host, each replicated or per-device array read from the
+  first local device only: a per-device array keeps its leading axis, of
   size 1; other arrays are copied whole, other leaves kept as they are.
 
-  Only arrays of this process's devices alone are stacked, and stacking
-  moves no data between devices: no collective is run. The logging threads
-  call this; `xla_cpu` leaves room in XLA's pool for their dispatches.
+  One transfer per array and nothing dispatched to the devices, so no
+  collective: any thread may call it. This is where the loop's logging,
+  guard and save checks wait for the devices.
   """
-  flat = [jax.tree.flatten(tree) for tree in trees]
-  leaves = [list(tree_leaves) for tree_leaves, _ in flat]
-  groups: dict[Any, list[tuple[int, int]]] = {}
-  for i, tree_leaves in enumerate(leaves):
-    for j, leaf in enumerate(tree_leaves):
-      if not isinstance(leaf, jax.Array):
-        continue
-      # Stacking an array of several processes would run a program on every process.
-      if _placement(leaf)[1] and leaf.is_fully_addressable:
-        groups.setdefault((leaf.sharding, leaf.shape, leaf.dtype), []).append((i, j))
-      else:
-        tree_leaves[j] = _read_first_copy(leaf)
-  for (sharding, _, _), positions in groups.items():
-    stack = _stacker(sharding)
-    for begin in range(0, len(positions), _MAX_STACK):
-      chunk = positions[begin:begin + _MAX_STACK]
-      arrays = [leaves[i][j] for i, j in chunk]
-      if stack is None or len(arrays) < _MIN_STACK:
-        rows = [_read_first_copy(array) for array in arrays]
-      else:
-        padded = 1 << (len(arrays) - 1).bit_length()
-        # The stack keeps each device's rows on it, in the arrays' device order.
-        stacked = stack(arrays + arrays[-1:] * (padded - len(arrays)))
-        rows = np.asarray(stacked.addressable_data(_placement(arrays[0])[0]))
-      for (i, j), row in zip(chunk, rows):
-        leaves[i][j] = row
-  return [jax.tree.unflatten(treedef, tree_leaves)
-          for (_, treedef), tree_leaves in zip(flat, leaves)]
 
+  def read(leaf):
+    if not isinstance(leaf, jax.Array):
+      return leaf
+    if len(leaf.sharding.addressable_devices) > 1:
+      position, one_copy = _placement(leaf)
+      if one_copy:
+        return np.asarray(leaf.addressable_data(position))
+    return np.asarray(leaf)
 
-def first_copy_to_host(tree: Any) -> Any:
-  """`first_copies_to_host` of one tree, one transfer per array and nothing
-  dispatched to the devices: safe on any thread."""
-
-  return jax.tree.map(lambda leaf: _read_first_copy(leaf) if isinstance(leaf, jax.Array) else leaf,
-                      tree)
+  return jax.tree.map(read, tree)
 
 
 def get_first(xs: Any) -> Any:

@@ -7,22 +7,18 @@ optional growth schedule and an optional final step) and then calls
 `fn(step, scalars)` with the scalars copied to the host and
 `scalars["steps_per_sec"]` added.
 
-With `run_async` the calls run on a background thread (`make_async`), in
-step order. That thread takes the due steps itself, at most once per
-`_HANDOVER_SECS`, so steps due in between go together: acting at every step
-then wakes it a few times a second instead of a thousand, which on a machine
-with few cores leaves the CPU to the devices. Every due step is still acted
-on soon after, without waiting for another call, as in jaxline.
+With `run_async` the calls run on a background thread (a `background.Worker`),
+in step order. At most `_MOST_BEHIND` due steps wait for it: a writer slower
+than training (a slow network disk) then slows training, instead of growing
+memory without bound and, at a stop, holding up the save for as long as the
+backlog takes to write.
 
 As in jaxline, a subclass may override `_apply_condition(t, step)` (whether
 a step is due) and `_apply_fn(step, steps_per_sec, scalars)` (the action on
 one due step, its scalars on the host).
 """
 
-import concurrent.futures
 import functools
-import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,15 +27,8 @@ import jax
 
 from jaxline_ng import background
 
-# The shortest time between two hand-overs of due steps to a background thread.
-_HANDOVER_SECS = 0.1
-# How far the background thread may fall behind before the loop waits for it:
-# this many due steps, or fewer that its measured pace takes this long to act
-# on. A writer slower than training (a slow network disk) then slows training,
-# instead of growing memory without bound and, at a stop, holding up the save
-# for as long as the backlog takes to write.
+# How many due steps may wait for the background thread before the loop waits.
 _MOST_BEHIND = 1000
-_MOST_BEHIND_SECS = 1.0
 
 
 def make_async(thread_name_prefix: str = ""):
@@ -138,19 +127,8 @@ class PeriodicAction:
     self._unlogged: list[tuple[int, Any]] = []  # With log_all_data: steps since the last action.
     self._last_seen: tuple[float, int, Any] | None = None
     self._last_acted_step: int | None = None
-    # With run_async, the due steps the background thread has not taken yet
-    # (under `_lock`), and whether a `_take_due` is queued that will take them.
-    self._due: list[tuple[int, float | None, Any]] = []
-    self._lock = threading.Lock()
-    self._take_queued = False
-    self._taken_at = -math.inf  # time.monotonic() of the last take.
-    self._secs_per_step = 0.0  # How long the last take took per due step.
-    self._hurry = threading.Event()  # Set while `wait_to_finish` waits: take at once.
-    self._in_progress: concurrent.futures.Future | None = None
-    self._run_async = run_async
-    if run_async:
-      self._act_in_background = make_async(
-          f"periodic_{getattr(fn, '__name__', 'action')}")(self._take_due)
+    self._worker = (background.Worker(f"periodic_{getattr(fn, '__name__', 'action')}",
+                                      max_pending=_MOST_BEHIND) if run_async else None)
 
   def _apply_condition(self, t: float, step: int) -> bool:
     """Whether the action is due at `step`, completed at time `t` (jaxline's hook)."""
@@ -165,20 +143,19 @@ class PeriodicAction:
 
   def __call__(self, t: float, step: int, scalar_outputs: Any) -> None:
     # `scalar_outputs`: jaxline's name, for callers that pass it by keyword.
-    if self._run_async:
+    if self._worker is not None:
       # A failure on the background thread (scalars logging found unloggable)
       # stops the loop now, not at the next due step, an interval later.
-      self._act_in_background.raise_if_failed()
+      self._worker.raise_if_failed()
     self._last_seen = (t, step, scalar_outputs)
     if self.log_all_data:
       self._unlogged.append((step, scalar_outputs))
     if self._apply_condition(t, step):
       self._act(t, step, scalar_outputs)
-    elif self.log_all_data and len(self._unlogged) > self._most_behind():
-      # Rows kept for the next due step are handed over before it, with the
-      # bound on how far behind they may fall: held back for a long interval
-      # (seconds), a slow writer's backlog would grow without bound, and a
-      # stop would wait for all of it before saving.
+    elif self.log_all_data and len(self._unlogged) >= _MOST_BEHIND:
+      # Rows kept for the next due step are handed over before it, so they
+      # count towards the backlog's bound (a long interval would hold an
+      # unbounded backlog, and a stop would wait for all of it).
       self._hand_over([(s, None, values) for s, values in self._unlogged])
       self._unlogged = []
 
@@ -192,39 +169,14 @@ class PeriodicAction:
     self.update_time(t, step)
     self._hand_over(due)
 
-  def _most_behind(self) -> float:
-    """How many due steps the background thread may have yet to act on."""
-    return min(_MOST_BEHIND, _MOST_BEHIND_SECS / max(self._secs_per_step, 1e-9))
-
   def _hand_over(self, due: list[tuple[int, float | None, Any]]) -> None:
-    """Acts on `due` now, or with run_async has the background thread take it,
-    waiting for it first if it has fallen too far behind."""
-    if not self._run_async:
+    """Acts on `due` now, or with run_async on the background thread, one
+    call per due step (so the bound counts steps)."""
+    if self._worker is None:
       self._act_on(due)
       return
-    with self._lock:
-      self._due += due
-      # A take still queued takes these too. One whose future is done yet
-      # still marked queued was skipped after an earlier failure: the call
-      # below raises that failure.
-      queued = self._in_progress if self._take_queued and not self._in_progress.done() else None
-      behind = len(self._due)
-      if queued is None:
-        self._take_queued = True
-    if queued is None:
-      self._in_progress = self._act_in_background()
-    elif behind > self._most_behind():
-      concurrent.futures.wait([queued])  # Its take includes these.
-
-  def _take_due(self) -> None:
-    """On the background thread: waits out the hand-over interval (unless
-    `wait_to_finish` waits), then acts on every step due by then."""
-    self._hurry.wait(self._taken_at + _HANDOVER_SECS - time.monotonic())
-    with self._lock:
-      due, self._due = self._due, []
-      self._take_queued = False
-    self._taken_at = time.monotonic()
-    self._act_on(due)
+    for one in due:
+      self._worker.submit(self._act_on, [one])
 
   def _to_host(self, scalars: list[Any]) -> list[Any]:
     """The due steps' scalars, in order, copied to the host whole."""
@@ -233,13 +185,8 @@ class PeriodicAction:
   def _act_on(self, due: list[tuple[int, float | None, Any]]) -> None:
     """Copies the due steps' scalars to the host and calls `fn` for each."""
     host_values = self._to_host([values for _, _, values in due])
-    # The action's own pace, the wait for the devices left out (a slow step
-    # is no reason to hold the loop back), kept current within a take: a
-    # writer's queue hides its pace until it fills.
-    started = time.monotonic()
-    for done, ((step, steps_per_sec, _), values) in enumerate(zip(due, host_values), 1):
+    for (step, steps_per_sec, _), values in zip(due, host_values):
       self._apply_fn(step, steps_per_sec, values)
-      self._secs_per_step = (time.monotonic() - started) / done
 
   def _apply_fn(self, step: int, steps_per_sec: float | None, scalars: Any) -> None:
     """Acts on one due step, its scalars on the host (jaxline's hook)."""
@@ -264,10 +211,5 @@ class PeriodicAction:
 
   def wait_to_finish(self) -> None:
     """Blocks until every due step has been acted on; raises the first error."""
-    if not self._run_async:
-      return
-    self._hurry.set()  # Due steps always have a take queued: it runs at once.
-    try:
-      self._act_in_background.wait()
-    finally:
-      self._hurry.clear()
+    if self._worker is not None:
+      self._worker.wait()

@@ -20,11 +20,7 @@ the same, and on another topology each device still gets its own
 deterministic key.
 """
 
-import contextlib
 import enum
-import functools
-import threading
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -113,12 +109,6 @@ def replicate_key(key):
   return devices.placed_from_host(key, mesh_lib.replicate)
 
 
-# Steps whose keys one dispatch computes. A dispatch costs the training thread
-# far more than the ready arrays it hands out, so the loop pays one per 32
-# steps, not one per step.
-STEPS_PER_DISPATCH = 32
-
-
 def _split_once(chain, mode: str, process: int):
   """`(step key, next chain)`: jaxline's split, the step key specialised by `mode`."""
   # Mesh mode: one global key, per-device keys the step's business. A raw key
@@ -133,6 +123,11 @@ def _split_once(chain, mode: str, process: int):
   return step_keys, children[:, 1]
 
 
+# Steps whose keys one dispatch computes: a dispatch costs the training thread
+# far more than the ready arrays it hands out (see the loop benchmark).
+STEPS_PER_DISPATCH = 32
+
+
 @debugging.compiled(static_argnames=("mode", "process", "num_steps"))
 def _split_steps(chain, mode: str, process: int, num_steps: int):
   check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
@@ -144,38 +139,6 @@ def _split_steps(chain, mode: str, process: int, num_steps: int):
   _, (step_keys, chains) = jax.lax.scan(one_step, chain, length=num_steps)
   # One array per step, so handing a step its keys needs no further dispatch.
   return [step_keys[i] for i in range(num_steps)], [chains[i] for i in range(num_steps)]
-
-
-@contextlib.contextmanager
-def keys_compiled_meanwhile(train_key, mode: str) -> Iterator[None]:
-  """Within the block, a thread compiles the step keys' program for the
-  default chain (`replicate_key(train_key)`), so the first step need not.
-
-  The block is the experiment's construction, which the compilation then
-  overlaps. The thread is joined when the block ends, however it ends: one
-  still compiling when the interpreter exits aborts it. A failure to compile is
-  left to the loop's own call, which raises it. Single-process runs only:
-  with several, placing a key on global devices is left to the loop, which
-  every process runs alike.
-  """
-  if jax.process_count() > 1:
-    yield
-    return
-
-  def compile_keys():
-    try:
-      _split_steps.jitted.lower(replicate_key(train_key), mode=mode,
-                                process=jax.process_index(),
-                                num_steps=STEPS_PER_DISPATCH).compile()
-    except Exception:  # pylint: disable=broad-except  (the loop's call raises it)
-      pass
-
-  compiler = threading.Thread(target=compile_keys, name="jaxline_ng_compile_keys", daemon=True)
-  compiler.start()
-  try:
-    yield
-  finally:
-    compiler.join()
 
 
 class StepKeys:
@@ -280,8 +243,4 @@ def step_counter(global_step: int):
   """
   if mesh_lib.active_mesh() is not None:
     return np.int32(global_step)
-  return np.array((global_step,) * _local_device_count(), np.int32)
-
-
-# Asked for by every step: JAX's own count is slower than building the counter.
-_local_device_count = functools.cache(jax.local_device_count)
+  return np.full(jax.local_device_count(), global_step, np.int32)

@@ -129,16 +129,14 @@ def _check_scalars(steps: Sequence[Mapping[str, Any]], producer: str) -> None:
 
 
 def host_scalars_of_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """Training steps' outputs as host numbers for logging, stacked on the devices
-  and read together.
+  """Training steps' outputs as host numbers for logging.
 
   A value may be a scalar or one copy per local device (a pmap output the
   experiment did not reduce with `get_first`); the first device's copy is
   taken then. Anything else is a ScalarsError naming the scalar.
   """
   _check_scalars(steps, "step()")
-  return [_numbers(values)
-          for values in devices.first_copies_to_host([dict(scalars) for scalars in steps])]
+  return [_numbers(devices.first_copy_to_host(dict(scalars))) for scalars in steps]
 
 
 def _numbers(values: dict[str, Any]) -> dict[str, Any]:
@@ -413,8 +411,7 @@ def train(experiment_class, config, checkpointer, writer,
   # --- State: construct the experiment, then restore over it. ---
   xla_cpu.check_pool()
   train_key, init_key = rng.seed_keys(config.random_seed, config.legacy_random_seed_behavior)
-  with (rng.keys_compiled_meanwhile(train_key, config.random_mode_train),
-        experiment_lib.log_activity("experiment init")):
+  with experiment_lib.log_activity("experiment init"):
     experiment = experiment_lib.construct(experiment_class, "train", init_key,
                                           config.experiment_kwargs)
   state = checkpointer.get_experiment_state("latest")

@@ -12,9 +12,9 @@ device always leaves the collective room, whatever the experiment's `step`
 returns or keeps. jaxline_ng asks for `THREADS_PER_DEVICE` per device
 through `PJRT_NPROC` before JAX starts its CPU backend (this module runs
 when any part of jaxline_ng is imported): enough for the training thread,
-its two logging threads (which stack the scalars they read on the devices),
-the evaluator of `train_eval_multithreaded` and one thread of the
-experiment's own. A `PJRT_NPROC` set by the user is left alone.
+the evaluator of `train_eval_multithreaded`, the experiment's own threads
+(a prefetcher placing batches) and the collective. A `PJRT_NPROC` set by
+the user is left alone.
 
 A program that starts JAX's backend before importing jaxline_ng (it placed
 arrays at import time) has XLA's default pool, one thread per device: its

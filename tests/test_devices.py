@@ -81,16 +81,15 @@ def _per_device_values(k):
   return _add(jnp.arange(jax.local_device_count(), dtype=jnp.float32), jnp.float32(k))
 
 
-def test_first_copies_to_host_read_one_copy_of_each_array_of_each_tree():
+def test_first_copy_to_host_reads_one_copy_of_each_array():
   mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("data",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  # 37 steps: stacked in groups padded to powers of two, the last group partial.
-  trees = [{"per_device": _per_device_values(k),
-            "replicated": jax.device_put(jnp.float32(k), replicated),
-            "single": jax.device_put(jnp.int32(k), jax.local_devices()[0]),
-            "host": float(k), "text": "x"} for k in range(37)]
-  got = devices.first_copies_to_host(trees)
-  for k, tree in enumerate(got):
+  for k in range(3):
+    tree = devices.first_copy_to_host({
+        "per_device": _per_device_values(k),
+        "replicated": jax.device_put(jnp.float32(k), replicated),
+        "single": jax.device_put(jnp.int32(k), jax.local_devices()[0]),
+        "host": float(k), "text": "x"})
     # A per-device array keeps its leading axis; the first device holds k.
     np.testing.assert_array_equal(tree["per_device"], np.array([k], np.float32))
     assert np.asarray(tree["replicated"]).shape == () and tree["replicated"] == k
@@ -99,30 +98,13 @@ def test_first_copies_to_host_read_one_copy_of_each_array_of_each_tree():
     assert not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree))
 
 
-def test_first_copies_to_host_split_large_groups_and_read_other_arrays_whole():
+def test_first_copy_to_host_reads_arrays_holding_no_single_copy_whole():
   n = jax.local_device_count()
   sharded_rows = jax.device_put(jnp.arange(2 * n, dtype=jnp.float32).reshape(2 * n),
                                 devices.per_device_sharding())
-  trees = [{"loss": _per_device_values(k)} for k in range(300)] + [{"rows": sharded_rows}]
-  got = devices.first_copies_to_host(trees)
-  assert [float(tree["loss"][0]) for tree in got[:300]] == list(range(300))
   # Two rows per device hold no single copy: the whole array is read.
-  np.testing.assert_array_equal(got[300]["rows"], np.arange(2 * n))
-
-
-def test_first_copies_to_host_read_many_arrays_of_one_placement_in_one_transfer(monkeypatch):
-  stacks, single_reads = [], []
-  stacker, read_first_copy = devices._stacker, devices._read_first_copy  # pylint: disable=protected-access
-
-  def counted_stacker(sharding):
-    return lambda arrays: stacks.append(len(arrays)) or stacker(sharding)(arrays)
-
-  monkeypatch.setattr(devices, "_stacker", counted_stacker)
-  monkeypatch.setattr(devices, "_read_first_copy",
-                      lambda leaf: single_reads.append(leaf) or read_first_copy(leaf))
-  got = devices.first_copies_to_host([{"loss": _per_device_values(k)} for k in range(64)])
-  assert [float(tree["loss"][0]) for tree in got] == list(range(64))
-  assert stacks == [64] and not single_reads
+  np.testing.assert_array_equal(devices.first_copy_to_host({"rows": sharded_rows})["rows"],
+                                np.arange(2 * n))
 
 
 def test_get_first_is_the_first_row_however_the_array_is_sharded():
@@ -143,7 +125,6 @@ def test_get_first_is_the_first_row_however_the_array_is_sharded():
   # several at once, whatever order the mesh lists the devices in.
   scalars = jax.device_put(np.arange(4.0), NamedSharding(Mesh(cpus[::-1], ("d",)), P("d")))
   assert float(devices.first_copy_to_host(scalars)[0]) == 0.0
-  assert [float(read[0]) for read in devices.first_copies_to_host([scalars] * 5)] == [0.0] * 5
 
 
 def test_restored_like_gives_restored_keys_the_kind_the_live_value_has():

@@ -1,7 +1,6 @@
 """Random keys: jaxline's streams, the random modes, and resuming the chain."""
 
 import functools
-import logging
 
 import jax
 import numpy as np
@@ -141,16 +140,6 @@ def test_step_counter_is_a_host_array_per_device():
   steps = rng.step_counter(12)
   assert isinstance(steps, np.ndarray) and steps.shape == (jax.local_device_count(),)
   assert (steps == 12).all()
-
-
-def test_the_step_keys_are_compiled_while_the_experiment_is_constructed(caplog):
-  rng._split_steps.jitted.clear_cache()  # pylint: disable=protected-access
-  key = jax.random.PRNGKey(7)
-  with rng.keys_compiled_meanwhile(key, "unique_host_unique_device"):
-    pass  # The experiment's construction.
-  with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
-    rng.StepKeys("unique_host_unique_device").next(rng.replicate_key(key))
-  assert "_split_steps" not in caplog.text
 
 
 @pytest.mark.parametrize("mode", ["unique_host_unique_device", "same_host_same_device"])
