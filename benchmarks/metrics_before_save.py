@@ -4,7 +4,7 @@
 
 Trains the toy experiment in this process on 4 fake CPU devices with the
 disk checkpointer, writing every step's scalars to TensorBoard and JSONL,
-and times each `train._flush_metrics` (the wait for the due rows and the
+and times each `loop_actions.flush_metrics` (the wait for the due rows and the
 writer's flush that precedes every durable save). Prints the count,
 median, 90th percentile and maximum in milliseconds.
 """
@@ -31,17 +31,17 @@ def main() -> None:
   sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
   import toy  # pylint: disable=import-outside-toplevel
 
-  from jaxline_ng import disk_checkpointing, train, writers  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import disk_checkpointing, loop_actions, train, writers  # pylint: disable=import-outside-toplevel
 
   timings = []
-  flush = train._flush_metrics  # pylint: disable=protected-access
+  flush = loop_actions.flush_metrics  # pylint: disable=protected-access
 
   def timed_flush(*flush_args):
     start = time.perf_counter()
     flush(*flush_args)
     timings.append(time.perf_counter() - start)
 
-  train._flush_metrics = timed_flush  # pylint: disable=protected-access
+  loop_actions.flush_metrics = timed_flush  # pylint: disable=protected-access
   with tempfile.TemporaryDirectory() as checkpoint_dir:
     config = toy.get_config()
     config.checkpoint_dir = checkpoint_dir

@@ -266,3 +266,38 @@ def get_checkpoint_dir(config, host_id: int) -> str:
   path = os.path.join(config.checkpoint_dir, f"host_{host_id}")
   os.makedirs(path, exist_ok=True)
   return path
+
+
+_OUR_CHECKPOINTERS = ("jaxline_ng.checkpointing", "jaxline_ng.disk_checkpointing")
+
+
+def is_ours(checkpointer, method: str) -> bool:
+  """Whether `checkpointer`'s `method` is jaxline_ng's (not a user's override)."""
+  # Looked up on the class: a `mock.Mock()` or a wrapper forwarding through
+  # `__getattr__` has the method on the instance alone.
+  return getattr(getattr(type(checkpointer), method, None), "__module__",
+                 None) in _OUR_CHECKPOINTERS
+
+
+def every_process_saves(checkpointer) -> bool:
+  """Whether every process takes part in each save (a disk checkpoint of arrays
+  sharded over several processes: each writes its own shards)."""
+  return getattr(checkpointer, "every_process_saves", False) is True  # Not a Mock's attribute.
+
+
+def keeps_run_entries(checkpointer, state) -> bool:
+  """Whether the `latest` state keeps jaxline_ng's entries beside jaxline's:
+  the run's config (compared on resume) and when the last periodic save ran.
+  They are read back only where they are kept: any other state may hold
+  anything under those names (a `mock.Mock()` checkpointer's, which published
+  tests pass, has every attribute).
+
+  Only where jaxline_ng's own checkpointers save and restore its own state:
+  code written for jaxline (a checkpointer of its own, or a subclass of
+  `utils.InMemoryCheckpointer` saving elsewhere too) expects jaxline's
+  entries alone, and may lock them or save them with a library that refuses
+  a string or a dict of tuples.
+  """
+  return (isinstance(state, ExperimentState)
+          and is_ours(checkpointer, "restore")
+          and is_ours(checkpointer, "save"))

@@ -731,3 +731,11 @@ def make_writer(logdir: str, *, use_async: bool = True, tensorboard: bool = True
       JsonlWriter(os.path.join(logdir, "metrics.jsonl")),
   ])
   return AsyncWriter(writer) if use_async else writer
+
+
+def flush_if_possible(writer) -> None:
+  """Flushes `writer` if it can: jaxline's `Writer` protocol requires only
+  `write_scalars` and `write_images`."""
+  flush = getattr(writer, "flush", None)
+  if flush is not None:
+    flush()

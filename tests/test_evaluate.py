@@ -13,6 +13,7 @@ import pytest
 from jaxline_ng import (
   base_config,
   checkpointing,
+  evaluation,
   experiment,
   preemption,
   run_lock,
@@ -330,14 +331,14 @@ def test_one_off_evaluate_without_a_checkpoint_is_one_line_not_a_wait():
 
 def test_an_eval_job_waiting_long_for_a_first_checkpoint_says_so(monkeypatch, caplog):
   # A mistyped checkpoint_dir: no trainer will come, and jaxline waited in silence.
-  monkeypatch.setattr(train, "_NO_CHECKPOINT_REMINDER_SECS", 0.02)
+  monkeypatch.setattr(evaluation, "_NO_CHECKPOINT_REMINDER_SECS", 0.02)
   polls = iter(range(5))
 
   class Empty:
     def restore_path(self, series):
       del series
 
-  action, _ = train._next_checkpoint(  # pylint: disable=protected-access
+  action, _ = evaluation._next_checkpoint(  # pylint: disable=protected-access
       Empty(), (None,), False, lambda: next(polls, None) is None, poll_interval_secs=0.01)
   assert action == "done"
   assert "Still no checkpoint to restore after 0 min (restore path: None): is a training run " \

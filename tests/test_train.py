@@ -12,12 +12,14 @@ import pytest
 
 from jaxline_ng import (
   base_config,
+  best,
   checkpointing,
   debugging,
   experiment,
   periodic,
   preemption,
   rng,
+  scalars,
   train,
   utils,
   writers,
@@ -227,8 +229,8 @@ def test_values_copied_per_device_are_logged_as_one(caplog):
 
 def test_eagerly_a_device_vector_may_be_per_device_but_a_host_one_is_still_read(monkeypatch):
   monkeypatch.setattr(debugging, "pmap_jit_disabled", lambda: True)
-  assert train._scalar_problem("loss", jnp.arange(4.0)) is None  # chex's vmap of a pmap output
-  assert "a vector" in train._scalar_problem("per_class", np.arange(4.0))
+  assert scalars._scalar_problem("loss", jnp.arange(4.0)) is None  # chex's vmap of a pmap output
+  assert "a vector" in scalars._scalar_problem("per_class", np.arange(4.0))
 
 
 def test_a_non_chief_process_writes_to_the_writer_given_only_with_log_all_hosts(monkeypatch):
@@ -392,7 +394,7 @@ def test_a_run_resumed_where_its_training_ends_says_there_is_no_step_to_train(ca
 
 def test_a_best_metric_evaluate_never_returns_names_what_it_returned():
   with pytest.raises(base_config.ConfigError, match=r"returned: none \(None or an empty dict\)$"):
-    train._check_best_metric(make_config(best_model_eval_metric="accuracy"), {})  # pylint: disable=protected-access
+    best.check_best_metric(make_config(best_model_eval_metric="accuracy"), {})  # pylint: disable=protected-access
 
 
 class OneDeviceInAttrs(Counting):

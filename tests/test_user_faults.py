@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxline_ng import disk_checkpointing
+from jaxline_ng import disk_checkpointing, scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join(ROOT, "tests", "experiments", "toy.py")
@@ -390,7 +390,7 @@ def test_step_returning_what_cannot_be_logged_stops_at_that_step_naming_it(retur
     return returned
 
   cls, config = toy_variant(step=step)
-  with pytest.raises(train.ScalarsError) as raised:
+  with pytest.raises(scalars.ScalarsError) as raised:
     train.train(cls, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
   assert str(raised.value).startswith(culprit)
   assert len(steps) == 1  # Raised on the loop's thread, at the step that returned it.
@@ -411,7 +411,7 @@ def test_a_later_step_returning_what_cannot_be_logged_stops_when_it_is_logged():
   config.training_steps = 10_000
   config.interval_type = "steps"
   config.log_tensors_interval = 1000
-  with pytest.raises(train.ScalarsError) as raised:
+  with pytest.raises(scalars.ScalarsError) as raised:
     train.train(cls, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
   assert str(raised.value).startswith("step() returned scalar 'phase' that has dtype complex64")
   assert 1000 <= len(steps) < 1500
@@ -422,7 +422,7 @@ def evaluate_variant(tmp_path, evaluate):
   cls, config = toy_variant(evaluate=evaluate)
   writer = writers.make_writer(str(tmp_path))
   try:
-    with pytest.raises(train.ScalarsError) as raised:
+    with pytest.raises(scalars.ScalarsError) as raised:
       train.evaluate(cls, config, checkpointing.InMemoryCheckpointer(config, "eval"), writer,
                      jaxline_mode="eval", stop_waiting=lambda: True)
   finally:

@@ -1,0 +1,103 @@
+"""The `best` checkpoint series: saved when the eval metric strictly improves.
+
+`config.best_model_eval_metric` names a scalar `evaluate` returns;
+`best_model_eval_metric_higher_is_better` says which way is better. As in
+jaxline, comparisons are strict from -inf/+inf, so ties never save, and the
+experiment's `on_new_best_model(best_state)` runs before each save.
+"""
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from absl import logging
+
+from jaxline_ng import base_config, checkpointing
+
+
+class BestTracker:
+  """Saves the `best` series when the eval metric strictly improves."""
+
+  def __init__(self, config, checkpointer, experiment):
+    self._metric = config.best_model_eval_metric
+    self._higher_is_better = config.best_model_eval_metric_higher_is_better
+    self._checkpointer = checkpointer
+    self._state = checkpointer.get_experiment_state("best")
+    # As jaxline, the state holds every entry before `best` is restored into
+    # it: a checkpointer written for jaxline restores the entries it finds,
+    # the experiment's through its `restore_from_snapshot`. jaxline_ng's own
+    # checkpointers skip the weights of a state holding no experiment.
+    self._worst = -math.inf if self._higher_is_better else math.inf
+    self._state.best_eval_metric_value = self._worst
+    self._state.best_model_eval_metric = self._metric
+    ours = checkpointing.is_ours(checkpointer, "restore")
+    self._state.experiment_module = None if ours else experiment
+    self._restored_step = None
+    if checkpointer.can_be_restored("best"):
+      checkpointer.restore("best")
+      self._restored_step = getattr(self._state, "global_step", None)
+    if getattr(self._state, "best_eval_metric_value", None) is None:
+      self._state.best_eval_metric_value = self._worst
+    saved_metric = self._state.best_model_eval_metric
+    if saved_metric != self._metric:
+      # Its best value is another metric's: compared with this one's, better
+      # checkpoints would go unsaved or worse ones be saved.
+      raise base_config.ConfigError(
+          f"config.best_model_eval_metric={self._metric!r}, but the best checkpoints "
+          f"(restore path {checkpointer.restore_path('best')}) are the best {saved_metric!r}: "
+          "move them aside, or evaluate in another checkpoint_dir or --jaxline_mode=eval_<name>")
+    self._state.experiment_module = experiment
+    logging.info("[jaxline_ng] Best %s so far: %s", self._metric,
+                 self._state.best_eval_metric_value)
+
+  def start_at(self, step: int) -> None:
+    """Before the first evaluation, of `step`: a best saved past it is an
+    earlier run's (a run restarted afresh), which this run's must not have to
+    beat, nor mix with in one series. Set aside, as its metric rows are,
+    where the checkpointer can (`set_aside`); else kept, to be beaten."""
+    if self._restored_step is None or self._restored_step <= step:
+      return
+    set_aside = getattr(self._checkpointer, "set_aside", None)
+    past = (f"The best checkpoint ({self._metric}={self._state.best_eval_metric_value} at step "
+            f"{self._restored_step}) is past step {step}, evaluated first")
+    self._restored_step = None
+    # A checkpointer of the user's may hold one best only: starting afresh
+    # would overwrite a better one.
+    if set_aside is None:
+      logging.warning("[jaxline_ng] %s: kept, so this run's best must beat it.", past)
+      return
+    logging.warning("[jaxline_ng] %s: an earlier run's, set aside. This run's best starts "
+                    "afresh.", past)
+    set_aside("best")
+    self._state.best_eval_metric_value = self._worst
+
+  def update(self, evaluated, scalars: Mapping[str, Any]) -> None:
+    """Saves `best` if `scalars` beat it; `evaluated` is the `latest` state evaluated."""
+    global_step = evaluated.global_step
+    value = float(scalars[self._metric])
+    if not math.isfinite(value):
+      logging.warning("[jaxline_ng] %s=%s at step %d is not finite: never the best.",
+                      self._metric, value, global_step)
+      return
+    best = self._state.best_eval_metric_value
+    # Strict comparisons: ties do not save, and NaN never does.
+    improved = value > best if self._higher_is_better else value < best
+    if not improved:
+      return
+    logging.info("[jaxline_ng] New best %s=%s at step %d (was %s).",
+                 self._metric, value, global_step, best)
+    self._state.best_eval_metric_value = value
+    self._state.global_step = global_step
+    if getattr(evaluated, "train_step_rng", None) is not None:  # As jaxline's best state.
+      self._state.train_step_rng = evaluated.train_step_rng
+    self._state.experiment_module.on_new_best_model(self._state)
+    self._checkpointer.save("best")
+
+
+def check_best_metric(config, scalars: Mapping[str, Any]) -> None:
+  """Raises ConfigError if `best_model_eval_metric` is set and not among `scalars`."""
+  name = config.best_model_eval_metric
+  if name and name not in scalars:
+    raise base_config.ConfigError(
+        f"config.best_model_eval_metric={name!r} is not among the scalars evaluate returned: "
+        f"{sorted(scalars) if scalars else 'none (None or an empty dict)'}")
