@@ -363,7 +363,7 @@ def _warn_of_unread_snapshots(checkpointer) -> None:
   if isinstance(checkpointer, checkpointing.InMemoryCheckpointer):
     return
   waiting = [f"{name} at step {_step_of(series.history[-1])}"
-             for name, series in sorted(checkpointing.global_checkpoint_dict().items())
+             for name, series in sorted(checkpointing.GLOBAL_CHECKPOINT_DICT.items())
              if getattr(series, "history", None)]
   if waiting:
     logging.warning("[jaxline_ng] utils.GLOBAL_CHECKPOINT_DICT holds in-memory snapshots (%s) "
