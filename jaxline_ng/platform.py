@@ -25,11 +25,12 @@ from jax.experimental.compilation_cache import compilation_cache
 from ml_collections import config_flags
 
 from jaxline_ng import (
+  agreement,
   base_config,
   checkpointing,
   debugging,
+  distributed,
   launch,
-  multihost,
   preemption,
   run_lock,
   run_record,
@@ -188,15 +189,15 @@ def create_writer(config, mode: str):
   through a background thread when `config.log_async`; TensorBoard only
   when `config.tensorboard`.
   """
-  if not (multihost.is_chief() or config.log_all_hosts):
+  if not (distributed.is_chief() or config.log_all_hosts):
     return None
   logdir = os.path.join(config.checkpoint_dir, mode)
-  if not multihost.is_chief():
+  if not distributed.is_chief():
     logdir = os.path.join(logdir, f"process_{jax.process_index()}")
   writer = writers.make_writer(logdir, use_async=config.log_async,
                                tensorboard=config.tensorboard)
-  if multihost.is_multiprocess():
-    multihost.at_peer_failure(writer.flush)
+  if distributed.is_multiprocess():
+    agreement.at_peer_failure(writer.flush)
   return writer
 
 
@@ -233,7 +234,7 @@ def _writer_and_record(config, mode: str):
   Writing the record first also checks the directory is usable, so a bad
   `checkpoint_dir` fails here with one line rather than later on a thread.
   """
-  if multihost.is_chief():
+  if distributed.is_chief():
     logdir = os.path.join(config.checkpoint_dir, mode)
     try:
       path = run_record.write(config, mode, logdir)
@@ -326,7 +327,7 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
   with contextlib.ExitStack() as locks:
     # The chief's locks stand for the whole run (see `run_lock`); taken
     # before anything is written, so a refused run changes nothing.
-    if multihost.is_chief():
+    if distributed.is_chief():
       try:
         locks.enter_context(run_lock.held(config.checkpoint_dir, mode))
       except OSError as e:
@@ -346,7 +347,7 @@ def _check_checkpoint_dir_is_shared(checkpoint_dir: str, mode: str) -> None:
   mode writes its shards there: on storage that is not shared, mesh saves
   wait for each other until orbax's barrier times out minutes later.
   """
-  multihost.check_same_as_chief(
+  agreement.check_same_as_chief(
       "sees config.checkpoint_dir",
       lambda: {"its lock": run_lock.holder(checkpoint_dir, run_lock.roles(mode)[0])},
       f"config.checkpoint_dir={checkpoint_dir!r} must be one directory that every process shares")
@@ -414,11 +415,11 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
     logging.warning("[jaxline_ng] Training starts afresh: %s.", unused_disk_steps)
   eval_checkpointer = (checkpointer_factory(config, "eval") if mode == TRAIN_EVAL_MULTITHREADED
                        else checkpointer)
-  if multihost.is_multiprocess():
+  if distributed.is_multiprocess():
     # Saves made before another process failed still land (later ones are vetoed).
-    multihost.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
+    agreement.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
     if eval_checkpointer is not checkpointer:
-      multihost.at_peer_failure(eval_checkpointer.wait_for_checkpointing_to_finish)
+      agreement.at_peer_failure(eval_checkpointer.wait_for_checkpointing_to_finish)
   if mode == "train":
     writer = _writer_and_record(config, "train")
     try:
@@ -532,23 +533,23 @@ def main(experiment_class, argv: Sequence[str],
   try:
     xla_cpu.check_pool()
     config = _as_config_dict(config)
-    if multihost.initialize_if_requested():
-      multihost.exit_when_a_peer_fails()
-    multihost.begin_run()
+    if distributed.initialize_if_requested():
+      agreement.exit_when_a_peer_fails()
+    agreement.begin_run()
     base_config.validate_config(config)
     _make_paths_absolute(config)
     if config.get("checkpointer") == "disk":  # Before the run's lock and cache go there.
       from jaxline_ng import disk_checkpointing  # Deferred: orbax is slow to import.
       disk_checkpointing.check_checkpoint_dir(config.checkpoint_dir)
     check_mode(mode)
-    if multihost.is_multiprocess() and debugging.pmap_jit_disabled():
+    if distributed.is_multiprocess() and debugging.pmap_jit_disabled():
       # chex makes each process's pmaps vmaps over its own devices: the
       # processes would train apart and wait forever on each other's saves.
       raise base_config.ConfigError(
           "--jaxline_disable_pmap_jit runs pmap as a vmap over this process's devices alone, "
           "so several processes would train apart: debug with one process")
     # JAX takes process 0's count when others give another: a wrong count is named too.
-    multihost.check_same_launch({
+    agreement.check_same_launch({
         "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
         "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
         # Collectives over other dtypes abort; other keys make replicas differ.
@@ -564,7 +565,7 @@ def main(experiment_class, argv: Sequence[str],
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     # Training processes agree on stops through JAX's preemption service,
     # which takes SIGTERM as its notice.
-    sigterm_to_jax = multihost.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
+    sigterm_to_jax = distributed.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
     with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
       if preemption.signalled():
@@ -580,7 +581,7 @@ def main(experiment_class, argv: Sequence[str],
     # Errors whose message says it all (bad input, a non-finite scalar, a
     # full disk) mark themselves `one_line`; anything else keeps its traceback.
     one_line = getattr(e, "one_line", False)
-    if multihost.is_multiprocess():
+    if distributed.is_multiprocess():
       if one_line:
         print(f"jaxline_ng: error: {e}", file=sys.stderr)
       _exit_now_on_failure(f"{type(e).__name__}: {e}", with_traceback=not one_line)
@@ -592,12 +593,12 @@ def main(experiment_class, argv: Sequence[str],
 def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:
   """Ends a failed process of a multi-process run, and with it the others.
 
-  The failure is published first (`multihost.publish_failure`), so every
+  The failure is published first (`agreement.publish_failure`), so every
   other process exits with the same code at once; then this one exits
-  (`multihost.exit_after_failure`). The writers were closed on the way out.
+  (`agreement.exit_after_failure`). The writers were closed on the way out.
   """
   if with_traceback:
     logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
                       jax.process_index())
-  multihost.publish_failure(message.splitlines()[0] if message else "", 1)
-  multihost.exit_after_failure(1)
+  agreement.publish_failure(message.splitlines()[0] if message else "", 1)
+  agreement.exit_after_failure(1)
