@@ -5,14 +5,16 @@ A checkpointer keeps named series (`latest`, `best`) of snapshots of an
 `get_experiment_state(series)` and call `save`/`restore` on the series name;
 the checkpointer decides where snapshots live.
 
-`InMemoryCheckpointer` keeps jaxline's layout in `utils.GLOBAL_CHECKPOINT_DICT`:
+`InMemoryCheckpointer` keeps jaxline's layout in `GLOBAL_CHECKPOINT_DICT`:
 `{series: CheckpointNT(active=threading.local(), history=[SnapshotNT(id,
 pickle_nest), ...])}`. Each thread has its own active state (so the train and
 eval threads of `train_eval_multithreaded` do not share one), while the
 history is shared. Published experiments and tests read and build these
 entries directly, in the jaxline 0.0.8 layout (`pickle_nest['experiment_module']`
 is the experiment's `snapshot_state()` dict) and the earlier one (it is the
-experiment object itself); both restore.
+experiment object itself); both restore. They reach the dict as jaxline's
+`utils.GLOBAL_CHECKPOINT_DICT`, which `utils` re-exports; rebinding it there
+rebinds it here.
 """
 
 import collections
@@ -27,9 +29,14 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import devices, rng
+from jaxline_ng import experiment as experiment_lib
 
 SnapshotNT = collections.namedtuple("SnapshotNT", ["id", "pickle_nest"])
 CheckpointNT = collections.namedtuple("CheckpointNT", ["active", "history"])
+
+# The in-memory series, by name. Read at call time, never captured: published
+# tests rebind it (as `utils.GLOBAL_CHECKPOINT_DICT`) to a dict of their own.
+GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
 
 
 class CheckpointSuperseded(Exception):
@@ -125,17 +132,6 @@ class Checkpointer(Protocol):
     """Blocks until every save started so far is complete."""
 
 
-def global_checkpoint_dict() -> dict[str, CheckpointNT]:
-  """The dict in-memory series live in: `utils.GLOBAL_CHECKPOINT_DICT`.
-
-  It has one binding, on the module published code reads it from, and is
-  looked up at call time because published tests rebind it to a dict of
-  their own.
-  """
-  from jaxline_ng import utils  # Deferred: utils re-exports this module.
-  return utils.GLOBAL_CHECKPOINT_DICT
-
-
 def device_snapshot(state) -> dict[str, Any]:
   """What a checkpoint of `state` holds, in fresh device buffers (dispatched, not waited for).
 
@@ -146,8 +142,6 @@ def device_snapshot(state) -> dict[str, Any]:
   own entries (the step, the chain key) are replaced each step, never
   donated, so they are kept as they are.
   """
-  # Deferred: experiment imports this module's users, not the other way round.
-  from jaxline_ng import experiment as experiment_lib
   nest = snapshotted_items(state)
   module = getattr(state, "experiment_module", None)
   if module is not None:
@@ -160,9 +154,6 @@ def device_snapshot(state) -> dict[str, Any]:
 
 def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
   """Loads a snapshot (either jaxline layout) into `state`."""
-  # Deferred: experiment imports this module's users, not the other way round.
-  from jaxline_ng import experiment as experiment_lib
-
   for name, value in nest.items():
     if name == "experiment_module":
       module = getattr(state, "experiment_module", None)
@@ -208,7 +199,7 @@ class InMemoryCheckpointer:
     self._lock = threading.Lock()
 
   def _series(self, ckpt_series: str) -> CheckpointNT:
-    checkpoints = global_checkpoint_dict()
+    checkpoints = GLOBAL_CHECKPOINT_DICT
     with self._lock:
       if ckpt_series not in checkpoints:
         checkpoints[ckpt_series] = CheckpointNT(threading.local(), [])
@@ -237,7 +228,7 @@ class InMemoryCheckpointer:
                  ckpt_series, next_id, nest.get("global_step"))
 
   def can_be_restored(self, ckpt_series: str) -> bool:
-    series = global_checkpoint_dict().get(ckpt_series)
+    series = GLOBAL_CHECKPOINT_DICT.get(ckpt_series)
     return bool(series and series.history)
 
   def restore(self, ckpt_series: str) -> None:
@@ -251,7 +242,7 @@ class InMemoryCheckpointer:
   def restore_path(self, ckpt_series: str) -> int | None:
     if not self.can_be_restored(ckpt_series):
       return None
-    return global_checkpoint_dict()[ckpt_series].history[-1].id
+    return GLOBAL_CHECKPOINT_DICT[ckpt_series].history[-1].id
 
   def wait_for_checkpointing_to_finish(self) -> None:
     """Nothing to wait for: saves are complete when `save` returns."""

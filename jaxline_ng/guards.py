@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import devices, multihost, periodic
+from jaxline_ng import agreement, devices, periodic
 
 POLICIES = ("halt", "warn", "off")
 # Steps whose scalars may wait for a check; past this, the loop reads the
@@ -45,7 +45,7 @@ MAX_UNCHECKED = 1000
 _WARN_EACH = 10
 # PeerChecks' keys: the chief's n-th save announces its step, every other
 # process answers with its verdict.
-_SAVE_KEY = "save/{}"  # `multihost.run_key`s.
+_SAVE_KEY = "save/{}"  # `agreement.run_key`s.
 _VERDICT_KEY = "verdict/{}/{}"
 # A failing process's verdict on the steps it completed: "<step> <verdict>".
 _LAST_VERDICT_KEY = "last_verdict/{}"
@@ -293,15 +293,15 @@ class PeerChecks:
     def agree():
       index = self._saves  # Saves are checked in order, on one worker.
       self._saves += 1
-      multihost.key_value_set(multihost.run_key(_SAVE_KEY.format(index)), str(step))
+      agreement.key_value_set(agreement.run_key(_SAVE_KEY.format(index)), str(step))
       for process in range(jax.process_count()):
         if process == jax.process_index():
           continue
-        verdict = multihost.key_value_wait(multihost.run_key(_VERDICT_KEY.format(index, process)),
-            give_up=lambda: multihost.published_failure() is not None)
+        verdict = agreement.key_value_wait(agreement.run_key(_VERDICT_KEY.format(index, process)),
+            give_up=lambda: agreement.published_failure() is not None)
         if verdict is None:
           verdict = (self._last_verdict(process, step)
-                     or multihost.published_failure().split(" ", 2)[2])
+                     or agreement.published_failure().split(" ", 2)[2])
         if verdict != "ok":
           logging.warning("[jaxline_ng] Not saving step %d: process %d: %s", step, process, verdict)
           raise PeerFailedError(f"process {process}: {verdict}")
@@ -311,7 +311,7 @@ class PeerChecks:
   @staticmethod
   def _last_verdict(process: int, step: int) -> str | None:
     """`process`'s verdict on `step` left by `answer_before_failing`, if it covers it."""
-    left = multihost.key_value_try_get(multihost.run_key(_LAST_VERDICT_KEY.format(process)))
+    left = agreement.key_value_try_get(agreement.run_key(_LAST_VERDICT_KEY.format(process)))
     if left is None:
       return None
     through, verdict = left.split(" ", 1)
@@ -326,8 +326,8 @@ class PeerChecks:
     def leave():
       try:
         verdict = self._guard.verdict_through(step, give_up=lambda: True)
-        multihost.key_value_set(
-            multihost.run_key(_LAST_VERDICT_KEY.format(jax.process_index())), f"{step} {verdict}")
+        agreement.key_value_set(
+            agreement.run_key(_LAST_VERDICT_KEY.format(jax.process_index())), f"{step} {verdict}")
       except Exception:  # pylint: disable=broad-except  (the failure itself is the news)
         logging.exception("[jaxline_ng] Could not leave a verdict on step %d:", step)
 
@@ -343,13 +343,13 @@ class PeerChecks:
     def serve():
       index = 0
       while True:
-        step = multihost.key_value_wait(multihost.run_key(_SAVE_KEY.format(index)),
+        step = agreement.key_value_wait(agreement.run_key(_SAVE_KEY.format(index)),
                                         give_up=self._closed.is_set)
         if step is None:
           return
         verdict = self._guard.verdict_through(int(step), give_up=self._closed.is_set)
-        multihost.key_value_set(
-            multihost.run_key(_VERDICT_KEY.format(index, jax.process_index())), verdict)
+        agreement.key_value_set(
+            agreement.run_key(_VERDICT_KEY.format(index, jax.process_index())), verdict)
         index += 1
 
     self._answering = threading.Thread(target=serve, name="jaxline_ng_peer_checks", daemon=True)

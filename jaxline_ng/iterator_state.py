@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import base_config, multihost
+from jaxline_ng import agreement, base_config, distributed
 
 GET_STATE, TF_DATA = "get_state", "tf.data"
 # Marks a JSON object that stands for a value JSON has no type for.
@@ -193,7 +193,7 @@ def _decode(x: Any) -> Any:
 
 
 def _peer_key(step: int, process: int) -> str:
-  return multihost.run_key(f"iterator_positions/{step}/{process}")
+  return agreement.run_key(f"iterator_positions/{step}/{process}")
 
 
 class PeerPositions:
@@ -223,7 +223,7 @@ class PeerPositions:
           f"checkpoint entries {', '.join(sorted(set(now) ^ set(self.names)))} became saveable "
           "iterators after training started: build them in __init__, so that every process "
           "saves their positions from the first checkpoint on")
-    if multihost.is_chief() or not self.names:
+    if distributed.is_chief() or not self.names:
       return
     attrs = {**(getattr(experiment, "CHECKPOINT_ATTRS", None) or {}),
              **(getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})}
@@ -232,7 +232,7 @@ class PeerPositions:
       if name in self.names:
         position = capture(getattr(experiment, attr), f"experiment_module/{name}")
         states[name] = position.states[jax.process_index()]
-    multihost.key_value_set(_peer_key(step, jax.process_index()), json.dumps(states))
+    agreement.key_value_set(_peer_key(step, jax.process_index()), json.dumps(states))
 
 
 def gather(positions: dict[str, Position], step: int) -> dict[str, Position]:
@@ -244,8 +244,8 @@ def gather(positions: dict[str, Position], step: int) -> dict[str, Position]:
   for process in range(jax.process_count()):
     if process == jax.process_index():
       continue
-    published = multihost.key_value_wait(
-        _peer_key(step, process), give_up=lambda: multihost.published_failure() is not None)
+    published = agreement.key_value_wait(
+        _peer_key(step, process), give_up=lambda: agreement.published_failure() is not None)
     if published is None:
       raise IteratorStateError(f"not saving step {step}: process {process} failed before "
                                "handing over its data positions")

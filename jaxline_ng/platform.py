@@ -21,15 +21,17 @@ from typing import Any
 import jax
 import ml_collections
 from absl import flags, logging
-from jax.experimental.compilation_cache import compilation_cache
 from ml_collections import config_flags
 
 from jaxline_ng import (
+  agreement,
   base_config,
   checkpointing,
+  config_loading,
   debugging,
+  distributed,
   launch,
-  multihost,
+  persistent_cache,
   preemption,
   run_lock,
   run_record,
@@ -42,6 +44,7 @@ FLAGS = flags.FLAGS
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", help_string="Experiment config file (`path.py` or `path.py:arg`).")
+config_loading.report_errors_in_one_line(FLAGS["config"])
 _MODE = flags.DEFINE_string(
     "jaxline_mode", "train",
     "train, eval, eval_<name> or train_eval_multithreaded.")
@@ -64,78 +67,6 @@ def check_tpu_flags() -> None:
   if _ENSURE_TPU.value and jax.default_backend() != "tpu":
     raise base_config.ConfigError(
         f"--jaxline_ensure_tpu: JAX's default backend is {jax.default_backend()!r}, not a TPU")
-
-
-def _override_naming(key: str) -> str | None:
-  """The `--config.a.b.c` argument on the command line that has `key` in its path, if any."""
-  for arg in sys.argv[1:]:
-    path = arg.split("=", 1)[0]
-    if path.startswith("--config.") and key in path.split(".")[1:]:
-      return path
-  return None
-
-
-def _report_config_errors_in_one_line(config_flag) -> None:
-  """Makes config-file failures one-line flag errors instead of tracebacks.
-
-  ml_collections reports a missing file only when the config is first read
-  (several lines later), and a syntax error or an override of an unknown key
-  as a raw traceback. Each becomes a flag error naming the file or override.
-  """
-  # ml_collections' flag has no public hook for its parse errors, and flag
-  # values are parsed inside `app.run`, before any code of ours could catch
-  # them: its `_parse` is wrapped.
-  parse = config_flag._parse  # pylint: disable=protected-access
-
-  def parse_or_explain(argument: str):
-    path = argument.split(":", 1)[0]
-    if os.path.isdir(path):
-      raise flags.IllegalFlagValueError(f"config file {path!r} is a directory")
-    if not os.path.isfile(path):
-      raise flags.IllegalFlagValueError(f"config file {path!r} does not exist")
-    if not os.access(path, os.R_OK):
-      raise flags.IllegalFlagValueError(f"config file {path!r} is not readable")
-    try:
-      config = parse(argument)
-    except flags.Error as e:
-      # `get_config(arg)` raising comes back as a flag error holding the traceback.
-      if "Traceback (most recent call last)" not in str(e):
-        raise
-      raise flags.IllegalFlagValueError(
-          f"loading {argument!r} failed: {str(e).strip().splitlines()[-1].strip()}") from None
-    except SyntaxError as e:
-      raise flags.IllegalFlagValueError(
-          f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None
-    except (AttributeError, KeyError) as e:
-      # ml_collections wraps a KeyError whose message adds a second line with
-      # a close match ("Did you mean ...") to the key: the first line is the key.
-      cause = e
-      while cause.args and isinstance(cause.args[0], BaseException):
-        cause = cause.args[0]
-      message = str(cause.args[0]) if cause.args else str(cause)
-      key = message.splitlines()[0].strip("\"'") if message.strip() else ""
-      override = _override_naming(key)
-      if "has no attribute 'get_config'" in message:
-        raise flags.IllegalFlagValueError(f"config file {path!r} defines no get_config()") from None
-      if override is None:  # Raised by the config file's own code.
-        raise flags.IllegalFlagValueError(
-            f"loading {argument!r} failed: {type(e).__name__}: {e}") from None
-      close = re.search(r'Did you mean "([^"]+)"', message)
-      hint = f" (did you mean {close.group(1)!r}?)" if close else ""
-      raise flags.IllegalFlagValueError(
-          f"{override}: the config {path!r} has no key {key!r} there{hint}") from None
-    except Exception as e:  # pylint: disable=broad-except  (any failure of user code)
-      first_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-      raise flags.IllegalFlagValueError(
-          f"loading {argument!r} failed: {type(e).__name__}: {first_line}") from None
-    if config is None:  # ml_collections would only say "--config must have a value".
-      raise flags.IllegalFlagValueError(f"get_config() in {path!r} returned None")
-    return config
-
-  config_flag._parse = parse_or_explain  # pylint: disable=protected-access
-
-
-_report_config_errors_in_one_line(FLAGS["config"])
 
 
 def check_mode(mode: str) -> None:
@@ -188,15 +119,15 @@ def create_writer(config, mode: str):
   through a background thread when `config.log_async`; TensorBoard only
   when `config.tensorboard`.
   """
-  if not (multihost.is_chief() or config.log_all_hosts):
+  if not (distributed.is_chief() or config.log_all_hosts):
     return None
   logdir = os.path.join(config.checkpoint_dir, mode)
-  if not multihost.is_chief():
+  if not distributed.is_chief():
     logdir = os.path.join(logdir, f"process_{jax.process_index()}")
   writer = writers.make_writer(logdir, use_async=config.log_async,
                                tensorboard=config.tensorboard)
-  if multihost.is_multiprocess():
-    multihost.at_peer_failure(writer.flush)
+  if distributed.is_multiprocess():
+    agreement.at_peer_failure(writer.flush)
   return writer
 
 
@@ -233,7 +164,7 @@ def _writer_and_record(config, mode: str):
   Writing the record first also checks the directory is usable, so a bad
   `checkpoint_dir` fails here with one line rather than later on a thread.
   """
-  if multihost.is_chief():
+  if distributed.is_chief():
     logdir = os.path.join(config.checkpoint_dir, mode)
     try:
       path = run_record.write(config, mode, logdir)
@@ -251,82 +182,11 @@ def _close(writer) -> None:
     close()
 
 
-# The cache the previous run in this process gave JAX, and whether it was
-# the user's own: a later run tells a cache the user set from one of ours.
-_previous_cache = {"path": None, "users": False}
-
-
-def _users_cache_dir() -> str | None:
-  """The cache the user gave JAX (`JAX_COMPILATION_CACHE_DIR`, which JAX reads
-  at import, or `jax.config.update`), not one an earlier run here set."""
-  current = jax.config.jax_compilation_cache_dir
-  if not current or (current == _previous_cache["path"] and not _previous_cache["users"]):
-    return None
-  return current
-
-
-_USERS_CACHE = "JAX's compilation cache directory"
-
-
-def compilation_cache_dir(config) -> tuple[str | None, str]:
-  """`(directory, what chose it)` for JAX's persistent compilation cache in
-  `config`'s run; the directory is None when the cache is off.
-
-  Unset, it is the cache the user gave JAX itself (a cluster's shared cache
-  must not be replaced by one per run), else `<checkpoint_dir>/compilation_cache`
-  on accelerators and none on the CPU backend. What chose it (a config key
-  and its value, or `_USERS_CACHE`) is the culprit an error names. The
-  config's paths are absolute by now (`_make_paths_absolute`).
-  """
-  given = config.compilation_cache_dir
-  if given is not None:
-    return given or None, f"config.compilation_cache_dir={given!r}"
-  users = _users_cache_dir()
-  if users:
-    return users, _USERS_CACHE
-  if jax.default_backend() == "cpu":
-    # JAX 0.10's CPU collectives can crash (a segfault, or a failed rendezvous
-    # check in an all-reduce) once the persistent cache is on: kfac-jax's
-    # autoencoder crashed in most runs with it, under jaxline too, and in none
-    # without. On CPU the cache is only where the user asks for it.
-    return None, "the CPU backend"
-  return (os.path.join(config.checkpoint_dir, "compilation_cache"),
-          f"config.checkpoint_dir={config.checkpoint_dir!r}")
-
-
-def enable_compilation_cache(config) -> None:
-  """Points JAX's persistent compilation cache at the run's directory (before anything compiles).
-
-  A restarted run, and the eval job beside it, then load the programs the
-  first process compiled instead of compiling them again.
-
-  Raises:
-    ConfigError: the directory cannot be written (JAX would only warn, at
-      every compilation).
-  """
-  path, chosen_by = compilation_cache_dir(config)
-  if path is not None:
-    try:
-      os.makedirs(path, exist_ok=True)
-      if not os.access(path, os.W_OK):
-        raise PermissionError("not writable")
-    except OSError as e:
-      raise base_config.ConfigError(
-          f"{chosen_by}: cannot write {path}: {e.strerror or e}") from None
-  # JAX opens its cache at the first compilation after it is set, once: a
-  # run (the second in a program, or after the user's code set it) reopens it.
-  compilation_cache.reset_cache()
-  jax.config.update("jax_compilation_cache_dir", path)
-  _previous_cache.update(path=path, users=chosen_by == _USERS_CACHE)
-  if path is not None:
-    logging.info("[jaxline_ng] Compilation cache: %s", path)
-
-
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
   with contextlib.ExitStack() as locks:
     # The chief's locks stand for the whole run (see `run_lock`); taken
     # before anything is written, so a refused run changes nothing.
-    if multihost.is_chief():
+    if distributed.is_chief():
       try:
         locks.enter_context(run_lock.held(config.checkpoint_dir, mode))
       except OSError as e:
@@ -346,7 +206,7 @@ def _check_checkpoint_dir_is_shared(checkpoint_dir: str, mode: str) -> None:
   mode writes its shards there: on storage that is not shared, mesh saves
   wait for each other until orbax's barrier times out minutes later.
   """
-  multihost.check_same_as_chief(
+  agreement.check_same_as_chief(
       "sees config.checkpoint_dir",
       lambda: {"its lock": run_lock.holder(checkpoint_dir, run_lock.roles(mode)[0])},
       f"config.checkpoint_dir={checkpoint_dir!r} must be one directory that every process shares")
@@ -363,7 +223,7 @@ def _warn_of_unread_snapshots(checkpointer) -> None:
   if isinstance(checkpointer, checkpointing.InMemoryCheckpointer):
     return
   waiting = [f"{name} at step {_step_of(series.history[-1])}"
-             for name, series in sorted(checkpointing.global_checkpoint_dict().items())
+             for name, series in sorted(checkpointing.GLOBAL_CHECKPOINT_DICT.items())
              if getattr(series, "history", None)]
   if waiting:
     logging.warning("[jaxline_ng] utils.GLOBAL_CHECKPOINT_DICT holds in-memory snapshots (%s) "
@@ -414,11 +274,11 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
     logging.warning("[jaxline_ng] Training starts afresh: %s.", unused_disk_steps)
   eval_checkpointer = (checkpointer_factory(config, "eval") if mode == TRAIN_EVAL_MULTITHREADED
                        else checkpointer)
-  if multihost.is_multiprocess():
+  if distributed.is_multiprocess():
     # Saves made before another process failed still land (later ones are vetoed).
-    multihost.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
+    agreement.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
     if eval_checkpointer is not checkpointer:
-      multihost.at_peer_failure(eval_checkpointer.wait_for_checkpointing_to_finish)
+      agreement.at_peer_failure(eval_checkpointer.wait_for_checkpointing_to_finish)
   if mode == "train":
     writer = _writer_and_record(config, "train")
     try:
@@ -454,63 +314,6 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
       _close(writer)
 
 
-def _as_config_dict(config):
-  """The config as a ConfigDict; a `get_config()` returning a plain dict is converted.
-
-  Nothing of jaxline's config contract needs more than a ConfigDict built
-  from the same nested values, and a dict is what a new user writes first.
-  """
-  if isinstance(config, ml_collections.ConfigDict):
-    return config
-  if isinstance(config, dict):
-    return ml_collections.ConfigDict(config)
-  raise base_config.ConfigError(
-      f"config file {config_flags.get_config_filename(FLAGS['config'])!r}: get_config() "
-      f"returned a {type(config).__name__}; return an ml_collections.ConfigDict, e.g. "
-      "built on jaxline_ng.base_config.get_base_config()")
-
-
-def _warn_if_eval_dir_differs(config) -> None:
-  """Published configs set `eval_specific_checkpoint_dir` (a key of later
-  jaxline versions), mostly to "" or their checkpoint_dir; evaluators read
-  `checkpoint_dir`, so another directory there would go unread unnoticed."""
-  eval_dir = config.get("eval_specific_checkpoint_dir")
-  if eval_dir and _absolute(eval_dir) != config.checkpoint_dir:
-    logging.warning("[jaxline_ng] config.eval_specific_checkpoint_dir=%r is not read: evaluation "
-                    "reads config.checkpoint_dir=%r.", eval_dir, config.checkpoint_dir)
-
-
-def _absolute(path: str) -> str:
-  """`path` against the working directory, `~` against the home directory."""
-  return os.path.abspath(os.path.expanduser(path))
-
-
-def _make_paths_absolute(config) -> None:
-  """Resolves `checkpoint_dir`, `restore_path` and `compilation_cache_dir`
-  against the working directory (and `~` against the home directory), once.
-
-  Orbax refuses relative paths, and a later change of directory (by the
-  experiment, or a library) would move the run's files; every consumer
-  reads the absolute paths from the config from here on. An empty
-  `checkpoint_dir` is the working directory, as for jaxline's writers; an
-  empty `restore_path` or `compilation_cache_dir` stays empty (none, off).
-  """
-  for key in ("checkpoint_dir", "restore_path", "compilation_cache_dir"):
-    given = config[key]
-    if not given and key != "checkpoint_dir":
-      continue
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", given):
-      # The run's lock, records and metrics are files written with Python's
-      # own I/O: a URL would become a relative directory named "gs:".
-      raise base_config.ConfigError(
-          f"config.{key}={given!r}: jaxline_ng keeps runs on a local or mounted filesystem, "
-          "not at a URL: mount the bucket (gcsfuse, s3fs) and give the mount's path")
-    absolute = _absolute(given or ".")
-    if absolute != given:
-      config[key] = absolute
-      logging.info("[jaxline_ng] config.%s=%r: using %s.", key, given, absolute)
-
-
 def main(experiment_class, argv: Sequence[str],
          checkpointer_factory: Callable = create_checkpointer) -> None:
   """Runs `experiment_class` in the mode `--jaxline_mode` names.
@@ -531,24 +334,25 @@ def main(experiment_class, argv: Sequence[str],
   launch.watch_the_launcher()
   try:
     xla_cpu.check_pool()
-    config = _as_config_dict(config)
-    if multihost.initialize_if_requested():
-      multihost.exit_when_a_peer_fails()
-    multihost.begin_run()
+    config = config_loading.as_config_dict(
+        config, config_flags.get_config_filename(FLAGS["config"]))
+    if distributed.initialize_if_requested():
+      agreement.exit_when_a_peer_fails()
+    agreement.begin_run()
     base_config.validate_config(config)
-    _make_paths_absolute(config)
+    config_loading.make_paths_absolute(config)
     if config.get("checkpointer") == "disk":  # Before the run's lock and cache go there.
       from jaxline_ng import disk_checkpointing  # Deferred: orbax is slow to import.
       disk_checkpointing.check_checkpoint_dir(config.checkpoint_dir)
     check_mode(mode)
-    if multihost.is_multiprocess() and debugging.pmap_jit_disabled():
+    if distributed.is_multiprocess() and debugging.pmap_jit_disabled():
       # chex makes each process's pmaps vmaps over its own devices: the
       # processes would train apart and wait forever on each other's saves.
       raise base_config.ConfigError(
           "--jaxline_disable_pmap_jit runs pmap as a vmap over this process's devices alone, "
           "so several processes would train apart: debug with one process")
     # JAX takes process 0's count when others give another: a wrong count is named too.
-    multihost.check_same_launch({
+    agreement.check_same_launch({
         "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
         "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
         # Collectives over other dtypes abort; other keys make replicas differ.
@@ -559,12 +363,12 @@ def main(experiment_class, argv: Sequence[str],
         **{f"config.{key}": value for key, value in run_record.flat_config(config).items()
            if key != "checkpoint_dir"}})
     check_tpu_flags()
-    enable_compilation_cache(config)
-    _warn_if_eval_dir_differs(config)
+    persistent_cache.enable_compilation_cache(config)
+    config_loading.warn_if_eval_dir_differs(config)
     logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
     # Training processes agree on stops through JAX's preemption service,
     # which takes SIGTERM as its notice.
-    sigterm_to_jax = multihost.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
+    sigterm_to_jax = distributed.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
     with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
       if preemption.signalled():
@@ -580,7 +384,7 @@ def main(experiment_class, argv: Sequence[str],
     # Errors whose message says it all (bad input, a non-finite scalar, a
     # full disk) mark themselves `one_line`; anything else keeps its traceback.
     one_line = getattr(e, "one_line", False)
-    if multihost.is_multiprocess():
+    if distributed.is_multiprocess():
       if one_line:
         print(f"jaxline_ng: error: {e}", file=sys.stderr)
       _exit_now_on_failure(f"{type(e).__name__}: {e}", with_traceback=not one_line)
@@ -592,12 +396,12 @@ def main(experiment_class, argv: Sequence[str],
 def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:
   """Ends a failed process of a multi-process run, and with it the others.
 
-  The failure is published first (`multihost.publish_failure`), so every
+  The failure is published first (`agreement.publish_failure`), so every
   other process exits with the same code at once; then this one exits
-  (`multihost.exit_after_failure`). The writers were closed on the way out.
+  (`agreement.exit_after_failure`). The writers were closed on the way out.
   """
   if with_traceback:
     logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
                       jax.process_index())
-  multihost.publish_failure(message.splitlines()[0] if message else "", 1)
-  multihost.exit_after_failure(1)
+  agreement.publish_failure(message.splitlines()[0] if message else "", 1)
+  agreement.exit_after_failure(1)

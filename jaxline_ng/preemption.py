@@ -14,7 +14,7 @@ experiments that override `train_loop` stop too, as long as they call their
 periodic actions after each step as jaxline's loop does.
 
 In a multi-process run every stop request is a preemption notice to JAX's
-preemption service (`multihost.stop_agreed`): SIGTERM reaches JAX's own
+preemption service (`agreement.stop_agreed`): SIGTERM reaches JAX's own
 handler, and Ctrl-C or the wall-clock budget give the notice themselves.
 The processes agree on a step, each stops after it, and the chief saves it.
 A second SIGTERM changes nothing there (JAX's handler keeps the notice); the
@@ -30,7 +30,7 @@ import time
 
 from absl import logging
 
-from jaxline_ng import base_config, multihost, periodic
+from jaxline_ng import agreement, base_config, distributed, periodic
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A scheduler script can
 # requeue a job that exits with it; the rerun resumes from `latest`.
@@ -79,7 +79,7 @@ def request_stop(reason: str) -> None:
   _reason[0] = reason
   _stop_requested.set()
   if _notice_through_jax[0]:
-    multihost.give_preemption_notice()
+    agreement.give_preemption_notice()
 
 
 def stop_requested() -> bool:
@@ -116,11 +116,11 @@ def _act_on_signal(signum: int) -> None:
     # left incomplete and ignored on restore.
     logging.warning("[jaxline_ng] Second %s: exiting now with code %d.", name, exit_code())
     logging.flush()
-    if multihost.is_multiprocess():
+    if distributed.is_multiprocess():
       # The others would wait for this process in their next collective until
       # JAX's heartbeat aborts them: they are told, and exit with the same code.
-      multihost.publish_failure(f"a second {name} ended it at once", exit_code())
-      multihost.exit_after_failure(exit_code())
+      agreement.publish_failure(f"a second {name} ended it at once", exit_code())
+      agreement.exit_after_failure(exit_code())
     os._exit(exit_code())  # pylint: disable=protected-access
   _signalled.set()
   logging.warning("[jaxline_ng] %s received: stopping after the current step or evaluation "
@@ -287,10 +287,10 @@ class StopCheck(periodic.EveryStepAction):
   def __init__(self, budget_secs: float | None = None, start_step: int = 0):
     self._budget_secs = budget_secs
     self._stop_after_step = _stop_after_step()
-    self._agreed = multihost.is_multiprocess()
+    self._agreed = distributed.is_multiprocess()
     if self._agreed:
-      multihost.stop_agreed(start_step)
-    if self._agreed and not multihost.is_chief():
+      agreement.stop_agreed(start_step)
+    if self._agreed and not distributed.is_chief():
       budget_secs = None
     self._deadline = None if budget_secs is None else time.monotonic() + budget_secs
 
@@ -303,11 +303,11 @@ class StopCheck(periodic.EveryStepAction):
       logging.warning("[jaxline_ng] The wall-clock budget of %gs is spent: stopping.",
                       self._budget_secs)
       if self._agreed:
-        multihost.give_preemption_notice()
+        agreement.give_preemption_notice()
       else:
         request_stop(f"the wall-clock budget of {self._budget_secs:g}s")
     if self._agreed:
-      if multihost.stop_agreed(step):
+      if agreement.stop_agreed(step):
         raise Preempted(f"stopped after step {step}, the step every process agreed on "
                         "after a preemption notice")
     elif _stop_requested.is_set():

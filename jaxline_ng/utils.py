@@ -2,11 +2,14 @@
 
 Published experiments import these from `jaxline.utils`; with jaxline_ng
 only the import changes. New code may import from the owning modules.
-`GLOBAL_CHECKPOINT_DICT` is the one state this module owns: the in-memory
-checkpoint series, here because published code and tests read and rebind it
-as `utils.GLOBAL_CHECKPOINT_DICT`; the in-memory checkpointer looks it up on
-this module at call time.
+This module owns nothing: `GLOBAL_CHECKPOINT_DICT`, the in-memory checkpoint
+series, belongs to `checkpointing`; published code and tests rebind it as
+`utils.GLOBAL_CHECKPOINT_DICT = {}`, and that rebinds it in `checkpointing`
+too (`_RebindsCheckpointDict`).
 """
+
+import sys
+import types
 
 # jaxline's utils module had these as attributes, and tests written for it
 # patch through them: `mock.patch.object(utils.jax, "process_index", ...)`,
@@ -14,7 +17,9 @@ this module at call time.
 import jax
 from absl import logging  # noqa: F401
 
+from jaxline_ng import checkpointing
 from jaxline_ng.checkpointing import (
+    GLOBAL_CHECKPOINT_DICT,
     Checkpointer,
     CheckpointNT,
     InMemoryCheckpointer,
@@ -30,8 +35,6 @@ from jaxline_ng.prefetch import double_buffer, double_buffer_on_gpu, py_prefetch
 from jaxline_ng.rng import DistributedRNGMode, host_id_devices_for_rng, specialize_rng_host_device
 from jaxline_ng.writers import Writer
 
-GLOBAL_CHECKPOINT_DICT: dict[str, CheckpointNT] = {}
-
 # jaxline's name for `jax.lax.psum`, which sums pytrees and takes all its arguments.
 tree_psum = jax.lax.psum
 
@@ -43,6 +46,22 @@ def __getattr__(name: str):
     import chex  # pylint: disable=import-outside-toplevel
     return chex
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _RebindsCheckpointDict(types.ModuleType):
+  """This module, whose `GLOBAL_CHECKPOINT_DICT` rebinds `checkpointing`'s too
+  (by assignment, `monkeypatch.setattr` or `mock.patch`), where the
+  in-memory checkpointer reads it."""
+
+  def __setattr__(self, name: str, value) -> None:
+    super().__setattr__(name, value)
+    if name == "GLOBAL_CHECKPOINT_DICT":
+      checkpointing.GLOBAL_CHECKPOINT_DICT = value
+
+
+# A module's class may be set to a subclass of ModuleType (Python's data model,
+# "Customizing module attribute access").
+sys.modules[__name__].__class__ = _RebindsCheckpointDict
 
 
 __all__ = [

@@ -18,7 +18,7 @@ import time
 
 from absl import logging
 
-from jaxline_ng import multihost, periodic
+from jaxline_ng import agreement, distributed, periodic
 
 # What the process exits with when the watchdog fires.
 EXIT_STUCK = 1
@@ -88,9 +88,9 @@ class StepWatchdog(periodic.EveryStepAction):
     logging.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
-    if multihost.is_multiprocess():
+    if distributed.is_multiprocess():
       # The store may be as stuck as the step: the exit does not wait long for it.
-      telling = threading.Thread(target=multihost.publish_failure, args=(message, EXIT_STUCK),
+      telling = threading.Thread(target=agreement.publish_failure, args=(message, EXIT_STUCK),
                                  daemon=True)
       telling.start()
       telling.join(timeout=5)

@@ -12,7 +12,7 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxline_ng import base_config, platform
+from jaxline_ng import base_config, persistent_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = os.path.join("tests", "experiments", "toy.py")
@@ -54,11 +54,11 @@ def test_on_cpu_the_cache_is_off_unless_asked_for(tmp_path):
 
 
 def test_off_cpu_the_cache_defaults_to_the_checkpoint_dir(tmp_path, monkeypatch):
-  monkeypatch.setattr(platform, "_users_cache_dir", lambda: None)
+  monkeypatch.setattr(persistent_cache, "_users_cache_dir", lambda: None)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   config = base_config.get_base_config()
   config.checkpoint_dir = str(tmp_path)
-  assert platform.compilation_cache_dir(config)[0] == str(tmp_path / "compilation_cache")
+  assert persistent_cache.compilation_cache_dir(config)[0] == str(tmp_path / "compilation_cache")
 
 
 def test_cache_can_be_moved_and_turned_off(tmp_path):
@@ -90,7 +90,7 @@ def session_cache():
   yield
   compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", given)
-  platform._previous_cache.update(path=None, users=False)  # pylint: disable=protected-access
+  persistent_cache._previous_cache.update(path=None, users=False)  # pylint: disable=protected-access
 
 
 def test_each_run_in_one_program_uses_its_own_cache(tmp_path, session_cache):
@@ -101,7 +101,7 @@ def test_each_run_in_one_program_uses_its_own_cache(tmp_path, session_cache):
   def run(key, checkpoint_dir, value):
     config = base_config.get_base_config()
     config.checkpoint_dir, config.compilation_cache_dir = str(tmp_path / checkpoint_dir), key
-    platform.enable_compilation_cache(config)
+    persistent_cache.enable_compilation_cache(config)
     jax.jit(lambda x: x * value)(1.0).block_until_ready()  # A program no run compiled before.
 
   run(None, "a", 2.0)

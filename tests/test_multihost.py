@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxline_ng import disk_checkpointing, multihost
+from jaxline_ng import agreement, disk_checkpointing, distributed, multihost
 from jaxline_ng import launch as launch_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,7 +227,7 @@ def test_waiting_for_a_key_polls_and_never_lets_a_blocking_read_time_out(monkeyp
       raise AssertionError("a blocking read that times out leaks")
 
   store = Store()
-  monkeypatch.setattr(multihost, "_key_value_store", lambda: store)
+  monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
   assert multihost.key_value_wait("k", give_up=lambda: False) == "written"
   assert multihost.key_value_wait("k", give_up=lambda: True) is None
 
@@ -254,8 +254,8 @@ def test_a_peers_exception_after_a_step_does_not_veto_the_chiefs_save_of_it(monk
   # chief's save worker announced step 10: step 10 is still saved, step 12 is not.
   from jaxline_ng import guards  # pylint: disable=import-outside-toplevel
   store = DictStore()
-  monkeypatch.setattr(multihost, "_key_value_store", lambda: store)
-  monkeypatch.setattr(multihost, "_ending", type(multihost._ending)())  # pylint: disable=protected-access
+  monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
+  monkeypatch.setattr(agreement, "_ending", type(agreement._ending)())  # pylint: disable=protected-access
   monkeypatch.setattr(guards.jax, "process_count", lambda: 2)
   peer_guard = guards.NonFiniteGuard("halt")
   for step in range(1, 12):
@@ -276,9 +276,9 @@ def test_a_checkpoint_dir_on_storage_not_shared_is_one_line_naming_it(monkeypatc
   # in orbax's barrier for 5 minutes, ignoring SIGTERM.
   from jaxline_ng import platform, run_lock  # pylint: disable=import-outside-toplevel
   store = DictStore()
-  monkeypatch.setattr(multihost, "_key_value_store", lambda: store)
-  monkeypatch.setattr(multihost, "is_multiprocess", lambda: True)
-  monkeypatch.setattr(multihost, "_run_index", multihost._run_index)  # pylint: disable=protected-access
+  monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
+  monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+  monkeypatch.setattr(agreement, "_run_index", agreement._run_index)  # pylint: disable=protected-access
   shared, local = str(tmp_path / "shared"), str(tmp_path / "local")
   with run_lock.held(shared, "train"):
     monkeypatch.setattr(multihost.jax, "process_index", lambda: 0)
@@ -338,18 +338,18 @@ def test_a_difference_from_a_chief_that_has_failed_since_exits_on_the_chiefs_fai
     monkeypatch):
   # Process 0 published its lock, failed on the config and released the lock:
   # process 1 then saw no lock, and named that instead of the config error.
-  monkeypatch.setattr(multihost, "is_multiprocess", lambda: True)
-  monkeypatch.setattr(multihost, "is_chief", lambda: False)
-  monkeypatch.setattr(multihost, "key_value_wait",
+  monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+  monkeypatch.setattr(distributed, "is_chief", lambda: False)
+  monkeypatch.setattr(agreement, "key_value_wait",
                       lambda key, give_up: json.dumps({"lock": "process 7 on host h"}))
-  monkeypatch.setattr(multihost, "published_failure", lambda: "0 1 config.x=1 is wrong")
+  monkeypatch.setattr(agreement, "published_failure", lambda: "0 1 config.x=1 is wrong")
   exits = []
 
   def exit_for_peer(process, exit_code, message):
     exits.append((process, exit_code, message))
     raise SystemExit(exit_code)
 
-  monkeypatch.setattr(multihost, "_exit_for_peer", exit_for_peer)
+  monkeypatch.setattr(agreement, "_exit_for_peer", exit_for_peer)
   with pytest.raises(SystemExit):
     multihost.check_same_as_chief("sees config.checkpoint_dir", lambda: {"lock": None}, "why")
   assert exits == [(0, 1, "config.x=1 is wrong")]

@@ -54,12 +54,12 @@ def test_relative_checkpoint_dir_with_disk_checkpoints(tmp_path):
 def test_paths_in_the_config_are_made_absolute_once(tmp_path, monkeypatch, key, given, resolved):
   # An empty checkpoint_dir crashed in orbax at the first disk save; "~/x" made
   # a directory named "~". Empty restore_path and cache directory mean none.
-  from jaxline_ng import base_config, platform  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import base_config, config_loading  # pylint: disable=import-outside-toplevel
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   config = base_config.get_base_config()
   config[key] = given
-  platform._make_paths_absolute(config)  # pylint: disable=protected-access
+  config_loading.make_paths_absolute(config)
   assert config[key] == (given if resolved is None else os.path.normpath(tmp_path / resolved))
 
 

@@ -1,5 +1,7 @@
 """utils keeps every public jaxline name, and importing jaxline_ng stays light."""
 
+import ast
+import os
 import subprocess
 import sys
 import threading
@@ -11,7 +13,9 @@ import numpy as np
 import pytest
 from absl import flags
 from absl.testing import flagsaver
+from ml_collections import config_dict
 
+import jaxline_ng
 from jaxline_ng import utils
 
 JAXLINE_UTILS_NAMES = (
@@ -70,6 +74,9 @@ def test_py_prefetch_counts_the_element_in_use_as_jaxline_does():
 
 PRODUCER_IN_JAXLIB_AT_EXIT = """
 import jax
+from ml_collections import config_dict
+
+import jaxline_ng
 from jaxline_ng import utils
 
 def batches():  # Each item is made inside jaxlib's native pytree code.
@@ -204,3 +211,38 @@ def test_an_evaluate_returning_none_is_warned_about_once_as_in_jaxline():
       assert evaluate() == {}
   # Once per process: an earlier test in this process may have had the warning.
   assert warning.call_count + log.call_count <= 1
+
+
+def test_a_checkpoint_dict_rebound_through_utils_is_the_one_the_checkpointer_uses():
+  # jaxline's own tests rebind it in setUp; others patch it for one test.
+  checkpointer = utils.InMemoryCheckpointer(
+      config_dict.ConfigDict({"max_checkpoints_to_keep": 1}), "train")
+  mine = {}
+  utils.GLOBAL_CHECKPOINT_DICT = mine
+  checkpointer.get_experiment_state("latest").global_step = 3
+  checkpointer.save("latest")
+  assert mine["latest"].history[-1].pickle_nest.global_step == 3
+  with mock.patch.object(utils, "GLOBAL_CHECKPOINT_DICT", {}):
+    assert not checkpointer.can_be_restored("latest")
+  assert checkpointer.can_be_restored("latest") and utils.GLOBAL_CHECKPOINT_DICT is mine
+
+
+def test_no_module_of_the_package_imports_one_that_imports_it_back():
+  package = os.path.dirname(jaxline_ng.__file__)
+  imports = {}
+  for file in os.listdir(package):
+    if file.endswith(".py") and file != "__init__.py":
+      with open(os.path.join(package, file)) as source:
+        tree = ast.parse(source.read())
+      imports[file[:-3]] = {
+          name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+          for name in ([node.module.split(".")[1]] if node.module.startswith("jaxline_ng.")
+                       else [alias.name for alias in node.names] if node.module == "jaxline_ng"
+                       else [])}
+
+  def reaches(start, goal, seen):
+    return any(module == goal or (module not in seen and module in imports
+                                  and reaches(module, goal, seen | {module}))
+               for module in imports[start])
+
+  assert sorted(module for module in imports if reaches(module, module, {module})) == []

@@ -1,0 +1,144 @@
+"""From the `--config` flag to the config a run uses.
+
+Loading errors become one-line flag errors naming the file or override, a
+`get_config()` returning a plain dict is accepted, and the run's paths are
+made absolute once, before anything reads them.
+"""
+
+import os
+import re
+import sys
+
+import ml_collections
+from absl import flags, logging
+
+from jaxline_ng import base_config
+
+
+def _override_naming(key: str) -> str | None:
+  """The `--config.a.b.c` argument on the command line that has `key` in its path, if any."""
+  for arg in sys.argv[1:]:
+    path = arg.split("=", 1)[0]
+    if path.startswith("--config.") and key in path.split(".")[1:]:
+      return path
+  return None
+
+
+def report_errors_in_one_line(config_flag) -> None:
+  """Makes config-file failures one-line flag errors instead of tracebacks.
+
+  ml_collections reports a missing file only when the config is first read
+  (several lines later), and a syntax error or an override of an unknown key
+  as a raw traceback. Each becomes a flag error naming the file or override.
+  """
+  # ml_collections' flag has no public hook for its parse errors, and flag
+  # values are parsed inside `app.run`, before any code of ours could catch
+  # them: its `_parse` is wrapped.
+  parse = config_flag._parse  # pylint: disable=protected-access
+
+  def parse_or_explain(argument: str):
+    path = argument.split(":", 1)[0]
+    if os.path.isdir(path):
+      raise flags.IllegalFlagValueError(f"config file {path!r} is a directory")
+    if not os.path.isfile(path):
+      raise flags.IllegalFlagValueError(f"config file {path!r} does not exist")
+    if not os.access(path, os.R_OK):
+      raise flags.IllegalFlagValueError(f"config file {path!r} is not readable")
+    try:
+      config = parse(argument)
+    except flags.Error as e:
+      # `get_config(arg)` raising comes back as a flag error holding the traceback.
+      if "Traceback (most recent call last)" not in str(e):
+        raise
+      raise flags.IllegalFlagValueError(
+          f"loading {argument!r} failed: {str(e).strip().splitlines()[-1].strip()}") from None
+    except SyntaxError as e:
+      raise flags.IllegalFlagValueError(
+          f"config file {path!r} line {e.lineno}: SyntaxError: {e.msg}") from None
+    except (AttributeError, KeyError) as e:
+      # ml_collections wraps a KeyError whose message adds a second line with
+      # a close match ("Did you mean ...") to the key: the first line is the key.
+      cause = e
+      while cause.args and isinstance(cause.args[0], BaseException):
+        cause = cause.args[0]
+      message = str(cause.args[0]) if cause.args else str(cause)
+      key = message.splitlines()[0].strip("\"'") if message.strip() else ""
+      override = _override_naming(key)
+      if "has no attribute 'get_config'" in message:
+        raise flags.IllegalFlagValueError(f"config file {path!r} defines no get_config()") from None
+      if override is None:  # Raised by the config file's own code.
+        raise flags.IllegalFlagValueError(
+            f"loading {argument!r} failed: {type(e).__name__}: {e}") from None
+      close = re.search(r'Did you mean "([^"]+)"', message)
+      hint = f" (did you mean {close.group(1)!r}?)" if close else ""
+      raise flags.IllegalFlagValueError(
+          f"{override}: the config {path!r} has no key {key!r} there{hint}") from None
+    except Exception as e:  # pylint: disable=broad-except  (any failure of user code)
+      first_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+      raise flags.IllegalFlagValueError(
+          f"loading {argument!r} failed: {type(e).__name__}: {first_line}") from None
+    if config is None:  # ml_collections would only say "--config must have a value".
+      raise flags.IllegalFlagValueError(f"get_config() in {path!r} returned None")
+    return config
+
+  config_flag._parse = parse_or_explain  # pylint: disable=protected-access
+
+
+def as_config_dict(config, filename: str) -> ml_collections.ConfigDict:
+  """The config as a ConfigDict; a `get_config()` returning a plain dict is converted.
+
+  Nothing of jaxline's config contract needs more than a ConfigDict built
+  from the same nested values, and a dict is what a new user writes first.
+
+  Args:
+    config: what the config file's `get_config()` returned.
+    filename: the config file, named if `config` is neither.
+  """
+  if isinstance(config, ml_collections.ConfigDict):
+    return config
+  if isinstance(config, dict):
+    return ml_collections.ConfigDict(config)
+  raise base_config.ConfigError(
+      f"config file {filename!r}: get_config() returned a {type(config).__name__}; return an "
+      "ml_collections.ConfigDict, e.g. built on jaxline_ng.base_config.get_base_config()")
+
+
+def _absolute(path: str) -> str:
+  """`path` against the working directory, `~` against the home directory."""
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def make_paths_absolute(config) -> None:
+  """Resolves `checkpoint_dir`, `restore_path` and `compilation_cache_dir`
+  against the working directory (and `~` against the home directory), once.
+
+  Orbax refuses relative paths, and a later change of directory (by the
+  experiment, or a library) would move the run's files; every consumer
+  reads the absolute paths from the config from here on. An empty
+  `checkpoint_dir` is the working directory, as for jaxline's writers; an
+  empty `restore_path` or `compilation_cache_dir` stays empty (none, off).
+  """
+  for key in ("checkpoint_dir", "restore_path", "compilation_cache_dir"):
+    given = config[key]
+    if not given and key != "checkpoint_dir":
+      continue
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", given):
+      # The run's lock, records and metrics are files written with Python's
+      # own I/O: a URL would become a relative directory named "gs:".
+      raise base_config.ConfigError(
+          f"config.{key}={given!r}: jaxline_ng keeps runs on a local or mounted filesystem, "
+          "not at a URL: mount the bucket (gcsfuse, s3fs) and give the mount's path")
+    absolute = _absolute(given or ".")
+    if absolute != given:
+      config[key] = absolute
+      logging.info("[jaxline_ng] config.%s=%r: using %s.", key, given, absolute)
+
+
+def warn_if_eval_dir_differs(config) -> None:
+  """Published configs set `eval_specific_checkpoint_dir` (a key of later
+  jaxline versions), mostly to "" or their checkpoint_dir; evaluators read
+  `checkpoint_dir`, so another directory there would go unread unnoticed."""
+  eval_dir = config.get("eval_specific_checkpoint_dir")
+  if eval_dir and _absolute(eval_dir) != config.checkpoint_dir:
+    logging.warning("[jaxline_ng] config.eval_specific_checkpoint_dir=%r is not read: evaluation "
+                    "reads config.checkpoint_dir=%r.", eval_dir, config.checkpoint_dir)
