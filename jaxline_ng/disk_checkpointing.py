@@ -7,11 +7,15 @@ lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
 
 Saving takes fresh on-device copies of the state on the calling thread (so
 donation and later steps cannot change them) and dispatches each array's
-checksum there; on a background thread the non-finite guard's check runs
-(it may veto the save), then orbax writes. Arrays go to orbax as they are:
-in mesh mode every process writes the shards it holds. Orbax writes into a
-temporary directory and renames it when complete, so a process killed at any
-moment leaves only complete step directories.
+checksum there; the non-finite guard's check runs there too (it may veto
+the save, so nothing invalid is ever written), then orbax's asynchronous
+save copies the arrays to the host and writes them on its own thread. In
+mesh mode every process writes the shards it holds, its barriers going
+through the distributed runtime's key-value store (never a device
+collective off the training thread). Orbax writes into a temporary
+directory and renames it when complete, so a process killed at any moment
+leaves only complete step directories; it keeps the newest
+`max_checkpoints_to_keep` (its `LatestN` policy).
 
 A checkpoint that is damaged is reported and the one before it used; the
 training job then moves the bad one aside (kept, under `<series>.unusable/`)
@@ -19,6 +23,7 @@ so later saves go past its step. One that is sound but does not fit the
 experiment (entries, names or shapes the code no longer has) is refused.
 """
 
+import contextlib
 import errno
 import logging as python_logging
 import os
@@ -26,6 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,7 +39,6 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from jaxline_ng import (
-  background,
   base_config,
   checkpoint_format,
   checkpoint_restore,
@@ -99,7 +104,7 @@ class _CheckpointManager(ocp.CheckpointManager):
   """orbax's manager, kept from asking JAX's preemption sync point.
 
   The sync point counts steps from the calls made to it, and orbax asks it
-  about each step it saves, on the save worker, after the loop has moved on:
+  about each step it saves, again on its finalize thread after the loop has moved on:
   a notice arriving then would have this process report a step the loop has
   passed, and the processes could agree on a step it never reaches. The
   loop alone asks (`preemption.StopCheck`) and saves the agreed step itself.
@@ -158,6 +163,23 @@ def check_checkpoint_dir(checkpoint_dir: str) -> None:
         "'[...]' (it takes it for a glob pattern): choose one without brackets")
 
 
+def _as_orbax_takes_them(tree: dict[str, Any]) -> dict[str, Any]:
+  """The arrays of a snapshot as orbax is to record them.
+
+  In pmap mode as host copies: orbax records a device array's sharding, and
+  the per-device key chain's would let orbax alone read the checkpoint only
+  on as many devices. (A process of a multi-process run that saves alone
+  must hand over its own arrays so anyway.) Mesh-mode global arrays go as
+  they are: each process writes its shards. An array on one device is this
+  process's own (a NON_BROADCAST value): orbax refuses such a "host local"
+  array when several processes save.
+  """
+  if mesh_lib.active_mesh() is None:
+    return jax.device_get(tree)
+  return jax.tree.map(lambda x: jax.device_get(x) if isinstance(x, jax.Array) and len(
+      x.sharding.device_set) == 1 and len(jax.devices()) > 1 else x, tree)
+
+
 class DiskCheckpointer:
   """The Checkpointer protocol over orbax step directories."""
 
@@ -186,7 +208,8 @@ class DiskCheckpointer:
     self._live = threading.local()
     self._managers: dict[str, ocp.CheckpointManager] = {}
     self._lock = threading.Lock()
-    self._saves = background.Worker("disk_checkpointer")
+    self._pending: dict[str, int] = {}  # The step of each series orbax is writing.
+    self._failure: BaseException | None = None  # A failed save's error, raised from then on.
     # Newer checkpoints the last `restore` tried and could not load: an eval
     # job stops waiting for them once no training run can replace them.
     self.unloadable_newer: list[str] = []
@@ -219,8 +242,8 @@ class DiskCheckpointer:
         # process at a barrier first).
         os.makedirs(self._series_dir(ckpt_series), exist_ok=True)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self._max_to_keep,
-            enable_async_checkpointing=False,  # Saves run on our own thread already.
+            preservation_policy=ocp.checkpoint_managers.LatestN(self._max_to_keep),
+            enable_async_checkpointing=True,
             cleanup_tmp_directories=True,
             create=False,
             multiprocessing_options=processes)
@@ -233,80 +256,92 @@ class DiskCheckpointer:
     return states.setdefault(ckpt_series, checkpointing.ExperimentState())
 
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
-    """Snapshots the live state on device now; writes it on a background thread.
+    """Saves the live state as a step of `ckpt_series`, with orbax's asynchronous save.
 
-    There `validate` runs first (the non-finite guard; if it raises, nothing
-    is saved), then orbax writes. The next save and
-    `wait_for_checkpointing_to_finish` wait for it. A failed save fails the
-    checkpointer for good: every later save and wait raises its error.
+    On the calling thread: fresh device copies of the state and their
+    checksums are dispatched, `validate` runs (the non-finite guard; if it
+    raises, nothing is saved), and orbax copies the arrays to the host; orbax
+    writes them on its own thread. The next save and
+    `wait_for_checkpointing_to_finish` wait for that write. A failed save
+    fails the checkpointer for good: every later save and wait raises its error.
     """
     self.wait_for_checkpointing_to_finish()
     state = self.get_experiment_state(ckpt_series)
     manager = self._manager(ckpt_series)
     step = state.global_step
+    if manager.latest_step() == step:  # Saved already (a final save right after a periodic one).
+      if ckpt_series != "latest":  # A best step an earlier evaluator saved (another metric's).
+        logging.warning("[jaxline_ng] %s/%d is saved already: kept as it is.", ckpt_series, step)
+      return
     tree, entries, arrays = encode(checkpointing.device_snapshot(state))
     fingerprints = dispatch_fingerprints([array for _, array in arrays])
-    series_dir = self._series_dir(ckpt_series)
-    # The chief's training saves hold every process's data positions.
-    gathers_positions = (multihost.is_multiprocess() and multihost.is_chief()
-                         and ckpt_series == "latest" and ckpt_series in self._writes)
-    # In pmap mode orbax is handed host copies: it records a device array's
-    # sharding, and the per-device key chain's would let orbax alone read the
-    # checkpoint only on as many devices. (A process of a multi-process run
-    # that saves alone must hand over its own arrays so anyway.) Mesh-mode
-    # global arrays go as they are: each process writes its shards. An array
-    # on one device is this process's own (a NON_BROADCAST value): orbax
-    # refuses such a "host local" array when several processes save.
-    on_host = mesh_lib.active_mesh() is None
-    if not on_host:
-      tree = jax.tree.map(lambda x: jax.device_get(x) if isinstance(x, jax.Array) and len(
-          x.sharding.device_set) == 1 and len(jax.devices()) > 1 else x, tree)
-
-    def write():
-      if validate is not None:
-        try:
-          validate()
-        except Exception:  # pylint: disable=broad-except  (the guard reports its own failure)
-          logging.warning("[jaxline_ng] Not saving %s/%d: the checks before saving it failed "
-                          "(see above).",
-                          ckpt_series, step)
-          return
-      latest = manager.latest_step()
-      if latest == step:  # Saved already (a final save right after a periodic one).
-        if ckpt_series != "latest":  # A best step an earlier evaluator saved (another metric's).
-          logging.warning("[jaxline_ng] %s/%d is saved already: kept as it is.", ckpt_series, step)
-        return
-      saved_entries = entries
-      if gathers_positions:
-        saved_entries = with_peer_positions(entries, step)
-      meta = {"format": FORMAT, "step": step, "topology": checkpoint_format.current_topology(),
-              "entries": saved_entries,
-              "arrays": {"/".join(path): {"shape": list(np.shape(array)),
-                                          "dtype": np.dtype(array.dtype).name,
-                                          "fingerprint": fingerprint}
-                         for (path, array), fingerprint in zip(
-                             arrays, fingerprints_on_host(fingerprints))}}
-      meta["digest"] = digest(meta)
-      items = {META_ITEM: ocp.args.JsonSave(meta)}
-      if tree:
-        items[STATE_ITEM] = ocp.args.StandardSave(jax.device_get(tree) if on_host else tree)
-      self._unlink_links_rotated_out(series_dir, step)
+    if validate is not None:
       try:
-        saved = manager.save(step, args=ocp.args.Composite(**items))
-        manager.wait_until_finished()
-      except (OSError, ValueError) as e:
-        code = _os_error_code(e)
-        if code is None and not isinstance(e, OSError):
-          raise  # Not the filesystem: a bug to see whole.
-        reason = os.strerror(code) if code else e
-        raise CheckpointWriteError(code, f"cannot save step {step} in {series_dir}: "
-                                   f"{reason}") from e
-      if not saved:
+        validate()
+      except Exception:  # pylint: disable=broad-except  (the guard reports its own failure)
+        logging.warning("[jaxline_ng] Not saving %s/%d: the checks before saving it failed "
+                        "(see above).", ckpt_series, step)
+        return
+    # The chief's training saves hold every process's data positions.
+    if (multihost.is_multiprocess() and multihost.is_chief() and ckpt_series == "latest"
+        and ckpt_series in self._writes):
+      entries = with_peer_positions(entries, step)
+    meta = {"format": FORMAT, "step": step, "topology": checkpoint_format.current_topology(),
+            "entries": entries,
+            "arrays": {"/".join(path): {"shape": list(np.shape(array)),
+                                        "dtype": np.dtype(array.dtype).name,
+                                        "fingerprint": fingerprint}
+                       for (path, array), fingerprint in zip(
+                           arrays, fingerprints_on_host(fingerprints))}}
+    meta["digest"] = digest(meta)
+    items = {META_ITEM: ocp.args.JsonSave(meta)}
+    if tree:
+      items[STATE_ITEM] = ocp.args.StandardSave(_as_orbax_takes_them(tree))
+    series_dir = self._series_dir(ckpt_series)
+    self._unlink_links_rotated_out(series_dir, step)
+    with self._lock:
+      self._pending[ckpt_series] = step
+    with self._failing_for_good(ckpt_series):
+      if not manager.save(step, args=ocp.args.Composite(**items)):
         raise RuntimeError(f"orbax did not save step {step} in {series_dir} (it holds step "
-                           f"{latest}): move the newer step directories away to save there")
-      logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step, series_dir)
+                           f"{manager.latest_step()}): move the newer step directories away "
+                           "to save there")
 
-    self._saves.submit(write)
+  @contextlib.contextmanager
+  def _failing_for_good(self, ckpt_series: str):
+    """Reports a failed write of `ckpt_series`'s pending step, and keeps it for later calls.
+
+    A filesystem's refusal becomes CheckpointWriteError naming the directory;
+    anything else is a bug, raised whole.
+    """
+    try:
+      yield
+    except (OSError, ValueError) as e:
+      code = _os_error_code(e)
+      if code is None and not isinstance(e, OSError):
+        self._failure = e
+        raise
+      reason = os.strerror(code) if code else e
+      self._failure = CheckpointWriteError(
+          code, f"cannot save step {self._pending[ckpt_series]} in "
+          f"{self._series_dir(ckpt_series)}: {reason}")
+      raise self._failure from e
+    except Exception as e:
+      self._failure = e
+      raise
+
+  def _finish(self, ckpt_series: str) -> None:
+    """Waits for orbax to write `ckpt_series`'s pending step (if any), and logs it."""
+    with self._lock:
+      manager, step = self._managers.get(ckpt_series), self._pending.get(ckpt_series)
+    if manager is None or step is None:
+      return
+    with self._failing_for_good(ckpt_series):
+      manager.wait_until_finished()
+    with self._lock:
+      self._pending.pop(ckpt_series, None)
+    logging.info("[jaxline_ng] Saved checkpoint %s/%d to %s.", ckpt_series, step,
+                 self._series_dir(ckpt_series))
 
   def _unlink_links_rotated_out(self, series_dir: str, step: int) -> None:
     """Removes the symbolic links among the step directories that saving `step`
@@ -455,6 +490,7 @@ class DiskCheckpointer:
     Where every process writes into one series (mesh mode), the chief moves
     it and the others wait for that, before any of them saves there again.
     """
+    self._finish(ckpt_series)  # Not moved while orbax writes into it.
     series_dir = self._series_dir(ckpt_series)  # The chief's, or a process's own tree.
     if (multihost.is_chief() or not self.every_process_saves) and os.path.isdir(series_dir):
       target = f"{series_dir.rstrip(os.sep)}.earlier-{time.strftime('%Y%m%dT%H%M%S')}"
@@ -466,4 +502,8 @@ class DiskCheckpointer:
       self._managers.pop(ckpt_series, None)
 
   def wait_for_checkpointing_to_finish(self) -> None:
-    self._saves.wait()
+    """Blocks until every save started so far is on disk; raises a failed save's error."""
+    if self._failure is not None:
+      raise self._failure
+    for ckpt_series in list(self._pending):
+      self._finish(ckpt_series)
