@@ -22,6 +22,8 @@ import pytest
 
 from jaxline_ng import (
   base_config,
+  checkpoint_format,
+  checkpoint_restore,
   devices,
   disk_checkpointing,
   experiment,
@@ -115,7 +117,7 @@ def trained_to_2(tmp_path, rich_at_2_steps):
 
 
 def series_steps(tmp_path, series="latest"):
-  return disk_checkpointing._steps(os.path.join(tmp_path, "checkpoints", series))  # pylint: disable=protected-access
+  return checkpoint_format.saved_steps(os.path.join(tmp_path, "checkpoints", series))
 
 
 def test_resume_restores_every_attribute_in_its_structure(tmp_path):
@@ -469,7 +471,7 @@ def test_an_eval_job_goes_past_a_checkpoint_rotated_out_while_it_reads(tmp_path,
   run(config)  # Steps 2, 4, 6, 8.
   series = tmp_path / "checkpoints" / "latest"
   os.rename(series / "8", tmp_path / "8")  # Not saved yet when the eval job starts.
-  real_load = disk_checkpointing._load  # pylint: disable=protected-access
+  real_load = checkpoint_restore.load
 
   def load_while_training_saves(path, *args, **kwargs):
     if (tmp_path / "8").exists():  # The save lands and rotates the older ones out.
@@ -478,7 +480,7 @@ def test_an_eval_job_goes_past_a_checkpoint_rotated_out_while_it_reads(tmp_path,
         shutil.rmtree(series / str(step))
     return real_load(path, *args, **kwargs)
 
-  monkeypatch.setattr(disk_checkpointing, "_load", load_while_training_saves)
+  monkeypatch.setattr(checkpoint_restore, "load", load_while_training_saves)
   path = tmp_path / "eval" / "metrics.jsonl"
   writer = writers.JsonlWriter(str(path))
   train.evaluate(Rich, config, disk_checkpointing.DiskCheckpointer(config, "eval"), writer,
@@ -583,7 +585,7 @@ def _array_unlike_its_checksum(step_dir):
   """Data that still decodes but holds other values: only the checksum tells."""
   def edit(meta):
     meta["arrays"]["experiment_module/params/w"]["fingerprint"][0] ^= 1
-    meta["digest"] = disk_checkpointing._digest(meta)  # pylint: disable=protected-access
+    meta["digest"] = checkpoint_format.digest(meta)
   _edit_meta(step_dir, edit)
 
 
@@ -801,7 +803,7 @@ def test_processes_refusing_together_name_the_one_that_found_the_difference(monk
   monkeypatch.setattr(multihost, "all_reduce_sum", lambda found: found + [[0, 0, 0], [0, 0, 1]])
   with pytest.raises(disk_checkpointing.CheckpointRefused,
                      match=r"the state of process 2 does not fit it \(its log names"):
-    disk_checkpointing._raise_agreed(None, agree=True)  # pylint: disable=protected-access
+    checkpoint_restore.raise_agreed(None, agree=True)
 
 
 @pytest.mark.parametrize("option, value, message", [
@@ -875,8 +877,8 @@ def test_a_per_device_value_made_on_one_device_is_refused_on_fewer_devices(tmp_p
   """Before, the saved run's 4 rows were restored on 2 devices, and the step failed in a
   traceback (a user trying topologies)."""
   train_to(CountsPerDevice, tmp_path, 2)
-  topology = disk_checkpointing._topology()  # pylint: disable=protected-access
-  monkeypatch.setattr(disk_checkpointing, "_topology",  # A resume on 2 devices.
+  topology = checkpoint_format.current_topology()
+  monkeypatch.setattr(checkpoint_format, "current_topology",  # A resume on 2 devices.
                       lambda: dict(topology, local_device_count=2))
   config = disk_config(tmp_path, 4)
   with pytest.raises(disk_checkpointing.CheckpointRefused,

@@ -4,7 +4,14 @@ import grain
 import numpy as np
 import pytest
 
-from jaxline_ng import base_config, disk_checkpointing, experiment, iterator_state, preemption
+from jaxline_ng import (
+  base_config,
+  checkpoint_skeleton,
+  disk_checkpointing,
+  experiment,
+  iterator_state,
+  preemption,
+)
 
 
 def shuffled_batches(seed=3):
@@ -50,7 +57,7 @@ def test_a_disk_checkpoint_entry_round_trips_the_position():
   entry = entries["experiment_module/train_iterator"]
   assert entry["skeleton"] == {"iterator": "get_state"}
   leaves = [leaf["value"] for leaf in entry["leaves"]]
-  assert disk_checkpointing._rebuild(entry["skeleton"], leaves) == position
+  assert checkpoint_skeleton.rebuild(entry["skeleton"], leaves) == position
 
 
 def test_states_of_other_types_than_json_round_trip():
