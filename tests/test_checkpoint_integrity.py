@@ -2,21 +2,14 @@
 
 import json
 import os
-import subprocess
-import sys
+
+from helpers import run, toy_command
 
 from jaxline_ng import disk_checkpointing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-
 
 def toy(checkpoint_dir, *extra, timeout=120):
-  return subprocess.run(
-      [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-       "--config.checkpointer=disk", "--config.training_steps=20", *extra],
-      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+  return run(toy_command(checkpoint_dir, "--config.training_steps=20", *extra), timeout=timeout)
 
 
 def truncate_every_file(step_dir):

@@ -18,18 +18,15 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from helpers import ENV, ROOT, TOY, launch_command, toy_command
 
 from jaxline_ng import disk_checkpointing, run_lock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
 STEPS = 100
 # Paces the interrupted runs: 100 steps take 3 s or more, so a signal sent
 # after step 30 (or a second one 0.5 s later) lands mid-run.
@@ -38,18 +35,15 @@ TIMEOUT_SECS = 150
 
 
 def toy(checkpoint_dir, *extra, script=TOY):
-  return [sys.executable, script, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-          "--config.checkpointer=disk", f"--config.training_steps={STEPS}", *extra]
+  return toy_command(checkpoint_dir, f"--config.training_steps={STEPS}", *extra, script=script)
 
 
 class Launch:
   """A `jaxline_ng.launch` run of 2 processes x 2 devices, its output collected as it comes."""
 
   def __init__(self, command):
-    self.process = subprocess.Popen(
-        [sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
-         "--devices_per_process=2", "--", *command],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.process = subprocess.Popen(launch_command(command), cwd=ROOT, env=ENV,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.lines: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()

@@ -8,18 +8,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-
-
-def toy(checkpoint_dir, *extra):
-  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-          "--config.checkpointer=disk", *extra]
+from helpers import ENV, ROOT, TOY, launch_command, run
+from helpers import toy_command as toy
 
 
 def alive(pid: int) -> bool:
@@ -35,10 +28,8 @@ class Launch:
   """A launcher run in the background; its output lines collected as they come."""
 
   def __init__(self, command, *launcher_flags):
-    self.process = subprocess.Popen(
-        [sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
-         "--devices_per_process=2", *launcher_flags, "--", *command],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.process = subprocess.Popen(launch_command(command, *launcher_flags), cwd=ROOT, env=ENV,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.lines: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -64,10 +55,8 @@ class Launch:
 
 def test_a_step_that_never_returns_ends_the_run_with_every_threads_stack(tmp_path):
   started = time.monotonic()
-  result = subprocess.run(
-      toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=3",
-          "--config.step_timeout_secs=2"),
-      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+  result = run(toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=3",
+                   "--config.step_timeout_secs=2"))
   assert result.returncode == 1, result.stderr[-4000:]
   assert time.monotonic() - started < 60
   assert result.stderr.rstrip().endswith(

@@ -18,22 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run
 
 from jaxline_ng import writers
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
   """Runs `code` in a fresh interpreter that can import jaxline_ng."""
-  env = dict(os.environ, PYTHONPATH=_REPO_ROOT)
-  result = subprocess.run(
-      [sys.executable, "-c", textwrap.dedent(code), *args],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=60,
-  )
+  result = run([sys.executable, "-c", textwrap.dedent(code), *args], timeout=60)
   assert result.returncode == 0, result.stderr
   return result
 
