@@ -7,6 +7,7 @@ process a test starts.
 """
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -72,3 +73,18 @@ def run(command, timeout=120, env=None, cwd=ROOT):
   """
   return subprocess.run(command, cwd=cwd, env=ENV if env is None else env, capture_output=True,
                         text=True, timeout=timeout)
+
+
+def read_jsonl(path):
+  """Returns the rows of a JSON-lines file (a run's metrics.jsonl), in order."""
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def running(pid):
+  """Whether process `pid` runs: a zombie its parent has not reaped yet has ended."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False

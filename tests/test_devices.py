@@ -90,6 +90,7 @@ def test_first_copies_to_host_read_one_copy_of_each_array_of_each_tree():
             "single": jax.device_put(jnp.int32(k), jax.local_devices()[0]),
             "host": float(k), "text": "x"} for k in range(37)]
   got = devices.first_copies_to_host(trees)
+  assert len(got) == len(trees)
   for k, tree in enumerate(got):
     # A per-device array keeps its leading axis; the first device holds k.
     np.testing.assert_array_equal(tree["per_device"], np.array([k], np.float32))

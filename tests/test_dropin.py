@@ -454,7 +454,9 @@ def test_a_locked_configdict_state_with_jaxlines_entries_trains():
           {"global_step": 0, "train_step_rng": None, "experiment_module": None})
       self._state.lock()
 
-  train.train(NoInitRng, make_config(save_checkpoint_interval=1), Locked(), None)
+  checkpointer = Locked()
+  train.train(NoInitRng, make_config(save_checkpoint_interval=1), checkpointer, None)
+  assert [saved["global_step"] for saved in checkpointer.saved] == [1, 2, 3]
 
 
 def test_jaxlines_restore_body_resumes_through_an_in_memory_checkpointer_subclass(tmp_path):

@@ -3,7 +3,6 @@
 These run real processes, as users do: `python experiment.py --config=...`.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -16,19 +15,14 @@ import ml_collections
 import pytest
 from absl import flags
 from absl.testing import flagsaver
-from helpers import ENV, EXPERIMENTS, ROOT, TOY, toy_command, toy_experiment
+from helpers import ENV, EXPERIMENTS, ROOT, TOY, read_jsonl, toy_command, toy_experiment
 
-from jaxline_ng import platform, utils
+from jaxline_ng import disk_checkpointing, platform, utils
 
 
 def run(*args, script=TOY, timeout=120, unset=()):
   env = {name: value for name, value in ENV.items() if name not in unset}
   return helpers.run([sys.executable, script, *args], timeout=timeout, env=env)
-
-
-def read_jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
 
 
 def test_train_writes_metrics_and_logs_progress(tmp_path):
@@ -199,7 +193,7 @@ def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
   assert process.returncode == 75, stderr[-3000:]
   last = read_jsonl(metrics)[-1]
   assert f"stopped by SIGTERM after step {last['step']}" in stderr
-  assert f"Saved checkpoint latest/{last['step']} " in stderr
+  assert disk_checkpointing.read(str(tmp_path))[0] == last["step"]
 
 
 def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_another(

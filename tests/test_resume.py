@@ -1,12 +1,11 @@
 """Durable runs across real processes: SIGTERM + resume, and a separate eval job."""
 
-import json
 import os
 import signal
 import subprocess
 
 import numpy as np
-from helpers import ENV, ROOT, run, toy_command
+from helpers import ENV, ROOT, read_jsonl, run, toy_command
 
 from jaxline_ng import disk_checkpointing
 
@@ -15,11 +14,6 @@ def toy_args(checkpoint_dir, *extra):
   return toy_command(checkpoint_dir, "--config.training_steps=60",
                      "--config.save_checkpoint_interval=10", "--config.log_train_data_interval=1",
                      *extra)
-
-
-def read_jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
 
 
 def final_arrays(checkpoint_dir):

@@ -11,17 +11,8 @@ import subprocess
 import threading
 import time
 
-from helpers import ENV, ROOT, TOY, launch_command, run
+from helpers import ENV, ROOT, TOY, launch_command, run, running
 from helpers import toy_command as toy
-
-
-def alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  with open(f"/proc/{pid}/stat") as f:  # A zombie has ended; its parent has not reaped it.
-    return f.read().split(") ")[1][0] != "Z"
 
 
 class Launch:
@@ -78,7 +69,8 @@ def test_a_process_stuck_in_its_step_ends_the_run_of_two(tmp_path):
   assert ("jaxline_ng: error: no training step has finished for 3 s "
           "(config.step_timeout_secs: 3 s); the run is stuck after step 3") in output, output
   assert "[launch] exit codes: process 0: 1, process 1: 1" in output, output
-  assert not any(alive(pid) for pid in launch.pids())
+  pids = launch.pids()
+  assert len(pids) == 2 and not any(running(pid) for pid in pids), output[-4000:]
 
 
 def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path):
@@ -92,7 +84,8 @@ def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path
   output = launch.output()
   assert ("[launch] processes 0, 1 did not stop within 3s (--stop_grace_secs) of the SIGTERM "
           "passed on: killing them") in output, output[-4000:]
-  assert not any(alive(pid) for pid in launch.pids())
+  pids = launch.pids()
+  assert len(pids) == 2 and not any(running(pid) for pid in pids), output[-4000:]
 
 
 def test_processes_of_a_killed_launcher_end_within_its_grace(tmp_path):
@@ -107,8 +100,8 @@ def test_processes_of_a_killed_launcher_end_within_its_grace(tmp_path):
   launch.process.kill()
   launch.process.wait()
   deadline = time.monotonic() + 15
-  while any(alive(pid) for pid in pids):
-    assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
+  while any(running(pid) for pid in pids):
+    assert time.monotonic() < deadline, f"still running: {[p for p in pids if running(p)]}"
     time.sleep(0.2)
 
 

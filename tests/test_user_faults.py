@@ -14,7 +14,7 @@ import time
 import helpers
 import numpy as np
 import pytest
-from helpers import ENV, EXPERIMENTS, ROOT, run, toy_experiment
+from helpers import ENV, EXPERIMENTS, ROOT, read_jsonl, run, toy_experiment
 
 from jaxline_ng import disk_checkpointing
 
@@ -24,11 +24,6 @@ TOY = os.path.join(ROOT, helpers.TOY)
 
 def toy(*args, config=TOY, script=TOY):
   return [sys.executable, script, f"--config={config}", *args]
-
-
-def read_jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
 
 
 def test_relative_checkpoint_dir_with_disk_checkpoints(tmp_path):
@@ -270,7 +265,7 @@ def test_a_sigterm_while_the_interpreter_shuts_down_after_a_stop_still_exits_75(
   result = run(toy(f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=1000",
                    "--config.checkpointer=disk", script=script))
   assert result.returncode == 75, result.stderr[-3000:]
-  assert "stopped by SIGTERM after step" in result.stderr
+  assert disk_checkpointing.read(str(tmp_path))[0] >= 11  # The stop saved its step.
 
 
 SIGTERM_THEN = (
