@@ -108,11 +108,11 @@ class Experiment(experiment.AbstractExperiment):
     if step == self.config.fail_at_step and self.config.fail_on_process in (
         -1, jax.process_index()):
       raise RuntimeError(f"toy experiment fails at step {step}")
-    if step == self.config.hang_at_step and self.config.fail_on_process in (
+    # `get`: a config written out by hand may lack the later keys.
+    if step == self.config.get("hang_at_step", -1) and self.config.fail_on_process in (
         -1, jax.process_index()):
       while True:
         time.sleep(1)
-    # `get`: a config written out by hand may lack the later keys.
     if step == self.config.get("exit_at_step", -1):
       sys.exit(0)
     if step == 0 and self.config.record_keys_dir:
