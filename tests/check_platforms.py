@@ -16,9 +16,9 @@ import sys
 import tempfile
 import tomllib
 
+from helpers import ROOT
 from packaging.requirements import Requirement
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {
     "Linux x86_64": ({"platform_system": "Linux", "platform_machine": "x86_64",
                       "sys_platform": "linux"},

@@ -8,6 +8,9 @@ Every process of the session (pytest workers and the runs they launch,
 which inherit the environment) shares one JAX compilation cache, caching
 even the toy's millisecond compilations: most launched runs compile what an
 earlier one did, and compiling is much of a short run's CPU.
+
+What tests share for starting runs (paths, the toy's command line, the
+launcher's, one run to its end) is in helpers.py, imported as `helpers`.
 """
 
 import os

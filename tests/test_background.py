@@ -1,18 +1,15 @@
 """Tests for jaxline_ng.background.Worker: order, failing for good, back-pressure, idling, exit."""
 
 import gc
-import os
-import subprocess
 import sys
 import textwrap
 import threading
 import time
 
 import pytest
+from helpers import run
 
 from jaxline_ng import background
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_calls_run_in_submission_order_on_the_worker_thread():
@@ -107,8 +104,7 @@ def test_submitted_calls_run_when_the_main_thread_ends():
     worker.submit(time.sleep, 0.3)
     worker.submit(print, "ran")
     """)
-  result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=_REPO_ROOT),
-                          capture_output=True, text=True, timeout=60)
+  result = run([sys.executable, "-c", code], timeout=60)
   assert result.returncode == 0, result.stderr
   assert result.stdout == "ran\n"
 

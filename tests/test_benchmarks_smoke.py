@@ -1,17 +1,13 @@
 """Every benchmark and stress tool runs in a few-step mode here, so none can rot."""
 
 import json
-import os
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT)
+from helpers import run
 
 
 def run_module(module, *args, timeout=180):
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=ENV,
-                        capture_output=True, text=True, timeout=timeout)
+  return run([sys.executable, "-m", module, *args], timeout=timeout)
 
 
 def test_kill_during_save_smoke():

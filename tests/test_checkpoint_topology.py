@@ -8,38 +8,29 @@ meshes, each resuming the checkpoint the previous run wrote.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import devices_env, launch_command, run, toy_command, toy_experiment
 from jax.sharding import PartitionSpec
+from test_mesh import Recorder  # the same loss recorder
 
 from jaxline_ng import disk_checkpointing, mesh
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-import toy  # noqa: E402  (found through the sys.path entry above)
-from test_mesh import Recorder  # noqa: E402  (the same loss recorder)
+toy = toy_experiment()
 
 
 def toy_args(checkpoint_dir, steps, *extra):
-  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-          "--config.checkpointer=disk", f"--config.training_steps={steps}",
-          "--config.log_train_data_interval=1", *extra]
+  return toy_command(checkpoint_dir, f"--config.training_steps={steps}",
+                     "--config.log_train_data_interval=1", *extra)
 
 
 def on_devices(command, devices):
-  env = dict(ENV, XLA_FLAGS=f"{ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}")
-  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+  return run(command, timeout=180, env=devices_env(devices))
 
 
-def launch(command, processes=2, devices=2):
-  return subprocess.run([sys.executable, "-m", "jaxline_ng.launch", f"--num_processes={processes}",
-                         f"--devices_per_process={devices}", "--", *command],
-                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+def launch(command):
+  return run(launch_command(command), timeout=240)
 
 
 def logged_losses(run_dir):

@@ -5,29 +5,24 @@ JAX's own setting (`JAX_COMPILATION_CACHE_DIR`) is kept when the config leaves t
 
 import os
 import shutil
-import subprocess
-import sys
 
+import helpers
 import jax
 import pytest
+from helpers import run, toy_command
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxline_ng import base_config, persistent_cache
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
 # The toy's programs compile in milliseconds, below JAX's default threshold
 # for caching a program (1 s): cache every one, so the test sees them.
 # Without the suite's shared cache (conftest.py), which would take precedence.
-ENV = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
-ENV.update(PYTHONPATH=ROOT, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+ENV = {key: value for key, value in helpers.ENV.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+ENV.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def toy(checkpoint_dir, *extra, env=ENV):
-  result = subprocess.run(
-      [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-       "--config.checkpointer=disk", "--config.training_steps=4", *extra],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  result = run(toy_command(checkpoint_dir, "--config.training_steps=4", *extra), env=env)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stderr
 

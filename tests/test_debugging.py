@@ -1,16 +1,13 @@
 """--jaxline_disable_pmap_jit: steps run eagerly, so breakpoints see values."""
 
 import concurrent.futures
-import os
-import subprocess
 import sys
 
+import helpers
 import jax
 import jax.numpy as jnp
 
 from jaxline_ng import debugging, devices, rng
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # An experiment with a pmap built at import time (as some published code does)
 # and a pmap and a jit built in __init__ (as most does); each reports what it
@@ -60,12 +57,8 @@ def run(tmp_path, *flags_):
   tmp_path.mkdir(parents=True, exist_ok=True)
   script = tmp_path / "debug_exp.py"
   script.write_text(SCRIPT)
-  env = dict(os.environ, PYTHONPATH=ROOT,
-             XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2")
-  return subprocess.run(
-      [sys.executable, str(script), f"--config={script}",
-       f"--config.checkpoint_dir={tmp_path}", *flags_],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  return helpers.run([sys.executable, str(script), f"--config={script}",
+                      f"--config.checkpoint_dir={tmp_path}", *flags_], env=helpers.devices_env(2))
 
 
 def test_disable_pmap_jit_runs_steps_eagerly(tmp_path):

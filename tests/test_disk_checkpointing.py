@@ -131,10 +131,8 @@ def test_resume_restores_every_attribute_in_its_structure(tmp_path):
   assert resumed._nothing is None
   assert isinstance(utils.get_first(resumed._moments), Moments)
   assert type(resumed._opt_state) is type(uninterrupted._opt_state)  # pylint: disable=unidiomatic-typecheck
-  for got, want in zip(jax.tree.leaves(utils.get_first((resumed._params, resumed._opt_state))),
-                       jax.tree.leaves(utils.get_first((uninterrupted._params,
-                                                        uninterrupted._opt_state)))):
-    np.testing.assert_array_equal(got, want)
+  _assert_same_arrays((resumed._params, resumed._opt_state),
+                      (uninterrupted._params, uninterrupted._opt_state))
 
 
 def test_zero_size_arrays_are_saved_and_restored(tmp_path):
@@ -217,7 +215,7 @@ def test_typed_prng_keys_resume_typed_and_exact(tmp_path):
   run_keys(disk_config(tmp_path / "b", 3))
   resumed = run_keys(disk_config(tmp_path / "b", 6))
   assert len(TypedKeys.seen_rngs) == 3
-  for got, want in zip(TypedKeys.seen_rngs, uninterrupted_rngs[3:]):
+  for got, want in zip(TypedKeys.seen_rngs, uninterrupted_rngs[3:], strict=True):
     np.testing.assert_array_equal(got, want)
   assert devices.is_typed_key(resumed.train_step_rng)
   module, reference = resumed.experiment_module, uninterrupted.experiment_module

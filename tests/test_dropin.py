@@ -8,9 +8,7 @@ the state in a `ConfigDict`, a writer with only `write_scalars` and
 """
 
 import copy
-import os
 import pickle
-import subprocess
 import sys
 import textwrap
 import threading
@@ -20,11 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run
 from ml_collections import config_dict
 
 from jaxline_ng import base_config, checkpointing, experiment, preemption, train, utils
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_config(**overrides):
@@ -256,11 +253,8 @@ def test_a_failing_constructor_exits_1_with_its_error_last(tmp_path):
       if __name__ == "__main__":
         app.run(functools.partial(platform.main, Broken))
       """).replace("RUN_DIR", repr(str(tmp_path / "run"))))
-  env = dict(os.environ, PYTHONPATH=ROOT)
   for mode in ("train", "train_eval_multithreaded"):
-    result = subprocess.run([sys.executable, str(script), f"--config={script}",
-                             f"--jaxline_mode={mode}"], env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = run([sys.executable, str(script), f"--config={script}", f"--jaxline_mode={mode}"])
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == "ValueError: no data at /datasets/missing"
 
@@ -460,7 +454,9 @@ def test_a_locked_configdict_state_with_jaxlines_entries_trains():
           {"global_step": 0, "train_step_rng": None, "experiment_module": None})
       self._state.lock()
 
-  train.train(NoInitRng, make_config(save_checkpoint_interval=1), Locked(), None)
+  checkpointer = Locked()
+  train.train(NoInitRng, make_config(save_checkpoint_interval=1), checkpointer, None)
+  assert [saved["global_step"] for saved in checkpointer.saved] == [1, 2, 3]
 
 
 def test_jaxlines_restore_body_resumes_through_an_in_memory_checkpointer_subclass(tmp_path):

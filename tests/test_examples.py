@@ -19,10 +19,11 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import ENV, ROOT
 
 from jaxline_ng import base_config
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(ROOT)
 DIGITS = "examples/digits/experiment.py"
 CHAR_LM = "examples/char_lm/experiment.py"
 PUBLISHED = "tests/experiments/published_style.py"
@@ -62,14 +63,12 @@ class Run:
     self.steps = steps
     self.checkpoint_dir = checkpoint_dir or tmp_dir / "checkpoints"
     self.log_path = tmp_dir / "log.txt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                   p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     command = [sys.executable, script, f"--config={script}{config_arg}",
                f"--jaxline_mode={mode}", f"--config.checkpoint_dir={self.checkpoint_dir}",
                *flags]
     # A file, not a pipe: a pipe nobody reads yet could fill and stall the run.
     with open(self.log_path, "w") as log:
-      self._process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+      self._process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=log,
                                        stderr=subprocess.STDOUT)
 
   def wait(self):

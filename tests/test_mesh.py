@@ -1,9 +1,9 @@
 """Mesh mode: the same experiment on jit + NamedSharding, checked against pmap mode."""
 
 import os
-import subprocess
 import sys
 
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -11,9 +11,7 @@ from jax.sharding import PartitionSpec
 
 from jaxline_ng import base_config, checkpointing, disk_checkpointing, mesh, rng, train, utils
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-import toy  # noqa: E402  (found through the sys.path entry above)
+toy = helpers.toy_experiment()
 
 
 class Recorder:
@@ -131,14 +129,13 @@ def test_helpers_place_and_replicate(tmp_path):
 
 
 def test_disable_pmap_jit_in_mesh_mode(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  toy_path = os.path.join("tests", "experiments", "toy.py")
-  result = subprocess.run(
-      [sys.executable, toy_path, f"--config={toy_path}", f"--config.checkpoint_dir={tmp_path}",
-       "--config.placement=mesh", "--config.training_steps=3", "--jaxline_disable_pmap_jit"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  result = helpers.run(
+      [sys.executable, helpers.TOY, f"--config={helpers.TOY}",
+       f"--config.checkpoint_dir={tmp_path}", "--config.placement=mesh",
+       "--config.training_steps=3", "--jaxline_disable_pmap_jit"])
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "run eagerly" in result.stderr and "step 3/3" in result.stderr
+  assert "run eagerly" in result.stderr
+  assert helpers.read_jsonl(tmp_path / "train" / "metrics.jsonl")[-1]["step"] == 3
 
 
 class WithUncommittedCount(toy.Experiment):

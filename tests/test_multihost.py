@@ -12,30 +12,21 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import ENV, EXPERIMENTS, TOY, devices_env, launch_command, run
+from helpers import toy_command as toy
 
 from jaxline_ng import agreement, disk_checkpointing, distributed, multihost
 from jaxline_ng import launch as launch_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-
-
-def toy(checkpoint_dir, *extra):
-  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-          "--config.checkpointer=disk", *extra]
-
 
 def launch(command, timeout=180, env=ENV):
-  return subprocess.run([sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
-                         "--devices_per_process=2", "--", *command],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  return run(launch_command(command), timeout=timeout, env=env)
 
 
 def single_process(command, devices=4):
-  env = dict(ENV, XLA_FLAGS=f"{ENV['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}")
-  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=180, check=True)
+  result = run(command, timeout=180, env=devices_env(devices))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
 
 
 def final_params(checkpoint_dir):
@@ -454,7 +445,7 @@ def test_process_0_on_a_port_another_coordinator_holds_stops_naming_the_address(
 TWICE = """
 import functools, os, sys
 from absl import app, flags
-sys.path.insert(0, os.path.join({root!r}, "tests", "experiments"))
+sys.path.insert(0, {experiments!r})
 import toy
 from jaxline_ng import platform
 
@@ -470,7 +461,7 @@ if __name__ == "__main__":
 
 def test_platform_main_twice_in_one_program_and_a_rerun_of_a_finished_run(tmp_path):
   script = tmp_path / "twice.py"
-  script.write_text(TWICE.format(root=ROOT))
+  script.write_text(TWICE.format(experiments=EXPERIMENTS))
   # The second call finds the run finished: it restores the last step, runs
   # none, and saves it again, which waits for process 1's verdict on it.
   result = launch([sys.executable, str(script), *toy(tmp_path / "run")[2:],

@@ -18,18 +18,15 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from helpers import ENV, ROOT, TOY, launch_command, running, toy_command
 
 from jaxline_ng import disk_checkpointing, run_lock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
 STEPS = 100
 # Paces the interrupted runs: 100 steps take 3 s or more, so a signal sent
 # after step 30 (or a second one 0.5 s later) lands mid-run.
@@ -38,18 +35,15 @@ TIMEOUT_SECS = 150
 
 
 def toy(checkpoint_dir, *extra, script=TOY):
-  return [sys.executable, script, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-          "--config.checkpointer=disk", f"--config.training_steps={STEPS}", *extra]
+  return toy_command(checkpoint_dir, f"--config.training_steps={STEPS}", *extra, script=script)
 
 
 class Launch:
   """A `jaxline_ng.launch` run of 2 processes x 2 devices, its output collected as it comes."""
 
   def __init__(self, command):
-    self.process = subprocess.Popen(
-        [sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
-         "--devices_per_process=2", "--", *command],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.process = subprocess.Popen(launch_command(command), cwd=ROOT, env=ENV,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.lines: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -230,7 +224,7 @@ def test_an_exception_in_process_1_ends_every_process_with_its_code(tmp_path):
                   "process 0 exits with code 1 too")
   launch.wait_for(r"^\[launch\] process 1 failed with exit code 1")
   # Step 33 never completed, so no later step was saved.
-  assert all(step <= 30 for step in saved_steps(tmp_path)), saved_steps(tmp_path)
+  assert saved_steps(tmp_path) and max(saved_steps(tmp_path)) <= 30, saved_steps(tmp_path)
   assert "stopping them" not in launch.output  # Process 0 ended on its own.
 
 
@@ -243,7 +237,7 @@ def test_a_nan_only_process_1_sees_ends_every_process_without_saving_after_it(tm
   launch.wait_for(r"^\[p1\] jaxline_ng: error: non-finite training scalars loss at step 26 ")
   launch.wait_for(r"^\[p0\] .*Process 1 failed \(NonFiniteError: non-finite training scalars")
   # Process 1 stops after step 26, so no step after the NaN completes or is saved.
-  assert all(step <= 20 for step in saved_steps(tmp_path)), saved_steps(tmp_path)
+  assert saved_steps(tmp_path) and max(saved_steps(tmp_path)) <= 20, saved_steps(tmp_path)
 
 
 def test_an_eval_job_beside_training_evaluates_the_same_steps_in_every_process(tmp_path):
@@ -386,12 +380,3 @@ def test_processes_of_a_launcher_killed_outright_stop_saved(tmp_path):
   step, _ = latest(tmp_path)
   rows = (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()
   assert 30 <= step == int(re.search(r'"step": (\d+)', rows[-1]).group(1))
-
-
-def running(pid: int) -> bool:
-  """Whether `pid` runs (a zombie nobody reaped yet has ended)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False

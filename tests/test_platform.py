@@ -3,7 +3,6 @@
 These run real processes, as users do: `python experiment.py --config=...`.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -11,28 +10,19 @@ import sys
 import threading
 from unittest import mock
 
+import helpers
 import ml_collections
 import pytest
 from absl import flags
 from absl.testing import flagsaver
+from helpers import ENV, EXPERIMENTS, ROOT, TOY, read_jsonl, toy_command, toy_experiment
 
-from jaxline_ng import platform, utils
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
+from jaxline_ng import disk_checkpointing, platform, utils
 
 
 def run(*args, script=TOY, timeout=120, unset=()):
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  for name in unset:
-    env.pop(name, None)
-  return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
-
-
-def read_jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+  env = {name: value for name, value in ENV.items() if name not in unset}
+  return helpers.run([sys.executable, script, *args], timeout=timeout, env=env)
 
 
 def test_train_writes_metrics_and_logs_progress(tmp_path):
@@ -156,7 +146,7 @@ def test_main_given_the_command_line_as_published_code_calls_it(tmp_path, call):
   script = tmp_path / "published_main.py"
   script.write_text(
       "import sys\n"
-      f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'experiments')!r})\n"
+      f"sys.path.insert(0, {EXPERIMENTS!r})\n"
       "import toy\n"
       "from absl import app\n"
       "from jaxline_ng import platform\n"
@@ -170,8 +160,7 @@ def test_main_given_the_command_line_as_published_code_calls_it(tmp_path, call):
 
 def test_flagsaver_then_main_with_empty_argv(tmp_path, monkeypatch):
   """How published tests drive the platform in-process."""
-  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-  import toy  # pylint: disable=import-outside-toplevel
+  toy = toy_experiment()
   monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT", {})
   config = toy.get_config()
   config.checkpoint_dir = str(tmp_path)
@@ -185,12 +174,10 @@ def test_flagsaver_then_main_with_empty_argv(tmp_path, monkeypatch):
 def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
   """The last step's scalars and checkpoint reach disk and the process exits with
   EXIT_PREEMPTED (a rerun resumes)."""
-  env = dict(os.environ, PYTHONPATH=ROOT)
   process = subprocess.Popen(
-      [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={tmp_path}",
-       "--config.training_steps=1000000", "--config.log_train_data_interval=1000",
-       "--config.checkpointer=disk"],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      toy_command(tmp_path, "--config.training_steps=1000000",
+                  "--config.log_train_data_interval=1000"),
+      cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   stderr_lines = []
   try:
     for line in process.stderr:  # Wait until training is under way.
@@ -206,15 +193,14 @@ def test_sigterm_stops_after_a_step_flushes_and_exits_75(tmp_path):
   assert process.returncode == 75, stderr[-3000:]
   last = read_jsonl(metrics)[-1]
   assert f"stopped by SIGTERM after step {last['step']}" in stderr
-  assert f"Saved checkpoint latest/{last['step']} " in stderr
+  assert disk_checkpointing.read(str(tmp_path))[0] == last["step"]
 
 
 def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_another(
     tmp_path, monkeypatch):
   """eigengame passes its own InMemoryCheckpointer subclass: --config.checkpointer=disk then
   cannot take effect, and a refused eval job must name what it was given, not the key."""
-  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-  import toy  # pylint: disable=import-outside-toplevel
+  toy = toy_experiment()
 
   class OwnCheckpointer(utils.InMemoryCheckpointer):
     pass
@@ -237,8 +223,7 @@ def test_an_experiments_own_checkpointer_is_named_when_the_config_asks_for_anoth
 def test_in_memory_runs_name_the_disk_checkpoints_they_leave_unread(tmp_path, monkeypatch):
   """A resume without --config.checkpointer=disk started afresh, and an eval
   job on the run pointed at everything but that flag."""
-  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-  import toy  # pylint: disable=import-outside-toplevel
+  toy = toy_experiment()
   config = toy.get_config()
   config.checkpoint_dir = str(tmp_path)
   config.training_steps = 2
@@ -257,8 +242,7 @@ def test_in_memory_runs_name_the_disk_checkpoints_they_leave_unread(tmp_path, mo
 def test_train_eval_multithreaded_makes_a_train_and_an_eval_checkpointer(tmp_path):
   """As jaxline: the factory is called with "train", then "eval"; a user's factory that
   knows only those two modes works."""
-  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-  import toy  # pylint: disable=import-outside-toplevel
+  toy = toy_experiment()
   modes = []
 
   def factory(config, mode):
@@ -300,8 +284,7 @@ def test_an_eval_job_follows_an_in_memory_subclass_that_finds_checkpoints_elsewh
   """A user's InMemoryCheckpointer whose `restore_path` picks up what another job
   saves (here: a snapshot more at every other poll) is followed as jaxline follows
   any checkpointer, to the checkpoint that ends training."""
-  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-  import toy  # pylint: disable=import-outside-toplevel
+  toy = toy_experiment()
   config = toy.get_config()
   config.checkpoint_dir = str(tmp_path)
   config.training_steps = 3
@@ -336,8 +319,7 @@ def test_a_disk_run_says_it_does_not_restore_snapshots_seeded_in_memory(tmp_path
   `utils.GLOBAL_CHECKPOINT_DICT` before `platform.main`; only the in-memory
   checkpointer reads it, so a disk run starts from step 0 and must say so.
   A save's `ConfigDict` nest gave its step as "?" (helper porting deeprte)."""
-  sys.path.insert(0, os.path.join(ROOT, "tests", "experiments"))
-  import toy  # pylint: disable=import-outside-toplevel
+  toy = toy_experiment()
   seeded = utils.SnapshotNT(0, nest_type({"global_step": 30}))
   monkeypatch.setattr(utils, "GLOBAL_CHECKPOINT_DICT",
                       {"latest": utils.CheckpointNT(threading.local(), [seeded])})

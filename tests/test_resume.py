@@ -1,30 +1,19 @@
 """Durable runs across real processes: SIGTERM + resume, and a separate eval job."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 
 import numpy as np
+from helpers import ENV, ROOT, read_jsonl, run, toy_command
 
 from jaxline_ng import disk_checkpointing
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-
 
 def toy_args(checkpoint_dir, *extra):
-  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-          "--config.checkpointer=disk", "--config.training_steps=60",
-          "--config.save_checkpoint_interval=10", "--config.log_train_data_interval=1",
-          *extra]
-
-
-def read_jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+  return toy_command(checkpoint_dir, "--config.training_steps=60",
+                     "--config.save_checkpoint_interval=10", "--config.log_train_data_interval=1",
+                     *extra)
 
 
 def final_arrays(checkpoint_dir):
@@ -61,8 +50,7 @@ def test_sigterm_then_rerun_matches_uninterrupted_run_bit_for_bit(tmp_path):
   assert 25 <= stopped_at < 60
   assert f"stopped by SIGTERM after step {stopped_at}" in stderr
 
-  resumed = subprocess.run(toy_args(interrupted), cwd=ROOT, env=ENV, capture_output=True,
-                           text=True, timeout=120)
+  resumed = run(toy_args(interrupted))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Restored checkpoint" in resumed.stderr
 
@@ -81,9 +69,9 @@ def test_sigterm_then_rerun_matches_uninterrupted_run_bit_for_bit(tmp_path):
 def test_separate_eval_process_follows_training_to_the_end(tmp_path):
   trainer = subprocess.Popen(toy_args(tmp_path), cwd=ROOT, env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  evaluator = subprocess.run(
+  evaluator = run(
       toy_args(tmp_path, "--jaxline_mode=eval", "--config.eval_poll_interval_secs=0.2"),
-      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+      timeout=180)
   assert trainer.wait(timeout=120) == 0
   assert evaluator.returncode == 0, evaluator.stderr[-3000:]
   evals = read_jsonl(tmp_path / "eval" / "metrics.jsonl")

@@ -48,8 +48,8 @@ def test_seed_keys_are_jaxlines():
   key = jax.random.PRNGKey(5)
   train_key, init_key = rng.seed_keys(5, legacy_random_seed_behavior=False)
   np.testing.assert_array_equal(np.stack([train_key, init_key]), jax.random.split(key))
-  for k in rng.seed_keys(5, legacy_random_seed_behavior=True):
-    np.testing.assert_array_equal(k, key)
+  train_key, init_key = rng.seed_keys(5, legacy_random_seed_behavior=True)
+  np.testing.assert_array_equal(np.stack([train_key, init_key]), np.stack([key, key]))
 
 
 @pytest.mark.parametrize("mode", rng.RANDOM_MODES)

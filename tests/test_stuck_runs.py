@@ -8,37 +8,19 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = os.path.join("tests", "experiments", "toy.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-
-
-def toy(checkpoint_dir, *extra):
-  return [sys.executable, TOY, f"--config={TOY}", f"--config.checkpoint_dir={checkpoint_dir}",
-          "--config.checkpointer=disk", *extra]
-
-
-def alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  with open(f"/proc/{pid}/stat") as f:  # A zombie has ended; its parent has not reaped it.
-    return f.read().split(") ")[1][0] != "Z"
+from helpers import ENV, ROOT, TOY, launch_command, run, running
+from helpers import toy_command as toy
 
 
 class Launch:
   """A launcher run in the background; its output lines collected as they come."""
 
   def __init__(self, command, *launcher_flags):
-    self.process = subprocess.Popen(
-        [sys.executable, "-m", "jaxline_ng.launch", "--num_processes=2",
-         "--devices_per_process=2", *launcher_flags, "--", *command],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.process = subprocess.Popen(launch_command(command, *launcher_flags), cwd=ROOT, env=ENV,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.lines: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -64,10 +46,8 @@ class Launch:
 
 def test_a_step_that_never_returns_ends_the_run_with_every_threads_stack(tmp_path):
   started = time.monotonic()
-  result = subprocess.run(
-      toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=3",
-          "--config.step_timeout_secs=2"),
-      cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+  result = run(toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=3",
+                   "--config.step_timeout_secs=2"))
   assert result.returncode == 1, result.stderr[-4000:]
   assert time.monotonic() - started < 60
   assert result.stderr.rstrip().endswith(
@@ -89,7 +69,8 @@ def test_a_process_stuck_in_its_step_ends_the_run_of_two(tmp_path):
   assert ("jaxline_ng: error: no training step has finished for 3 s "
           "(config.step_timeout_secs: 3 s); the run is stuck after step 3") in output, output
   assert "[launch] exit codes: process 0: 1, process 1: 1" in output, output
-  assert not any(alive(pid) for pid in launch.pids())
+  pids = launch.pids()
+  assert len(pids) == 2 and not any(running(pid) for pid in pids), output[-4000:]
 
 
 def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path):
@@ -103,7 +84,8 @@ def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path
   output = launch.output()
   assert ("[launch] processes 0, 1 did not stop within 3s (--stop_grace_secs) of the SIGTERM "
           "passed on: killing them") in output, output[-4000:]
-  assert not any(alive(pid) for pid in launch.pids())
+  pids = launch.pids()
+  assert len(pids) == 2 and not any(running(pid) for pid in pids), output[-4000:]
 
 
 def test_processes_of_a_killed_launcher_end_within_its_grace(tmp_path):
@@ -118,8 +100,8 @@ def test_processes_of_a_killed_launcher_end_within_its_grace(tmp_path):
   launch.process.kill()
   launch.process.wait()
   deadline = time.monotonic() + 15
-  while any(alive(pid) for pid in pids):
-    assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
+  while any(running(pid) for pid in pids):
+    assert time.monotonic() < deadline, f"still running: {[p for p in pids if running(p)]}"
     time.sleep(0.2)
 
 

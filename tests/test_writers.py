@@ -2,7 +2,6 @@
 
 import glob
 import io
-import json
 import math
 import os
 import re
@@ -18,22 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import read_jsonl, run
 
 from jaxline_ng import writers
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
   """Runs `code` in a fresh interpreter that can import jaxline_ng."""
-  env = dict(os.environ, PYTHONPATH=_REPO_ROOT)
-  result = subprocess.run(
-      [sys.executable, "-c", textwrap.dedent(code), *args],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=60,
-  )
+  result = run([sys.executable, "-c", textwrap.dedent(code), *args], timeout=60)
   assert result.returncode == 0, result.stderr
   return result
 
@@ -57,11 +48,6 @@ def _read_scalars(logdir) -> list[tuple[int, str, float]]:
     assert plugin == "scalars", tag
     scalars.append((step, tag, value.item()))
   return scalars
-
-
-def _read_jsonl(path) -> list[dict]:
-  with open(path) as f:
-    return [json.loads(line) for line in f]
 
 
 class _RecordingWriter:
@@ -265,14 +251,14 @@ def test_jsonl_writer(tmp_path):
 
   lines = path.read_text().splitlines(keepends=True)
   assert lines[1] == '{"step": 2, "loss": NaN, "big": Infinity}\n'
-  first, second = _read_jsonl(path)
+  first, second = read_jsonl(path)
   assert first == {"step": 1, "loss": 0.5, "score/eval": 2.25, "n": 3}
   assert type(first["n"]) is int and type(first["loss"]) is float
   assert math.isnan(second["loss"]) and second["big"] == math.inf
 
   writer.write_scalars(3, {"step": 7, "loss": 1.0})  # A scalar named "step" (kfac-jax's).
   writer.flush()
-  assert _read_jsonl(path)[-1] == {"step": 3, "scalar/step": 7, "loss": 1.0}
+  assert read_jsonl(path)[-1] == {"step": 3, "scalar/step": 7, "loss": 1.0}
   # Past the buffer size, lines are written out unprompted, but only whole.
   for step in range(10, 2010):
     writer.write_scalars(step, {"loss": step / 3})
@@ -281,7 +267,7 @@ def test_jsonl_writer(tmp_path):
 
   writer.close()
   writer.close()
-  assert [row["step"] for row in _read_jsonl(path)] == [1, 2, 3, *range(10, 2010)]
+  assert [row["step"] for row in read_jsonl(path)] == [1, 2, 3, *range(10, 2010)]
   with pytest.raises(ValueError, match="closed"):
     writer.write_scalars(3, {"loss": 0.0})
 
@@ -331,7 +317,7 @@ def test_async_writer_keeps_order_of_many_writes_on_disk(tmp_path):
   writer.flush()  # Everything must be on disk now, before close.
 
   assert _read_scalars(tmp_path) == [(step, "x/y", step / 2) for step in steps]
-  rows = _read_jsonl(tmp_path / "metrics.jsonl")
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
   assert rows == [{"step": step, "x/y": step / 2} for step in steps]
   writer.close()
 
@@ -341,7 +327,7 @@ def test_without_tensorboard_only_metrics_jsonl_is_written(tmp_path):
   writer.write_scalars(1, {"loss": 0.5})
   writer.close()
   assert os.listdir(tmp_path) == ["metrics.jsonl"]
-  assert _read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 0.5}]
+  assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 0.5}]
 
 
 def test_async_writer_blocks_caller_when_queue_is_full():
@@ -548,7 +534,7 @@ def test_queued_writes_reach_disk_at_interpreter_exit(tmp_path):
     """,
       str(tmp_path),
   )
-  rows = _read_jsonl(tmp_path / "metrics.jsonl")
+  rows = read_jsonl(tmp_path / "metrics.jsonl")
   assert rows == [{"step": step, "loss": step / 4} for step in range(50)]
   scalars = _read_scalars(tmp_path)
   assert scalars == [(step, "loss", step / 4) for step in range(50)]
@@ -566,7 +552,7 @@ def test_writes_show_up_without_a_flush_while_the_run_goes_on(tmp_path):
           len(_read_scalars(tmp_path)) == 3:
         break
       time.sleep(0.2)
-    assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert _read_scalars(tmp_path) == [(1, "loss", 1.0), (2, "loss", 2.0), (3, "loss", 3.0)]
   finally:
     writer.close()

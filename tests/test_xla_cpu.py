@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ENV, TOY, run
 
 from jaxline_ng import xla_cpu
 
@@ -66,14 +67,11 @@ def test_a_backend_started_before_jaxline_ng_is_refused_unless_its_pool_was_size
     tmp_path, pjrt_nproc):
   # Its pmap step ran on XLA's default pool, one thread per device, and
   # aborted in a collective after 40 s (exit 134), or hung.
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-  env.update(PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = {k: v for k, v in ENV.items() if k not in ("PJRT_NPROC", "NPROC")}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4",
              **({"PJRT_NPROC": pjrt_nproc} if pjrt_nproc else {}))
-  result = subprocess.run(
-      [sys.executable, "-c", _LATE_IMPORT, "--config=tests/experiments/toy.py",
-       f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=3"],
-      cwd=root, env=env, capture_output=True, text=True, timeout=120)
+  result = run([sys.executable, "-c", _LATE_IMPORT, f"--config={TOY}",
+                f"--config.checkpoint_dir={tmp_path}", "--config.training_steps=3"], env=env)
   if pjrt_nproc:
     assert result.returncode == 0, result.stderr[-4000:]
   else:
