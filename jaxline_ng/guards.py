@@ -99,7 +99,7 @@ class NonFiniteGuard(periodic.EveryStepAction):
     # For `verdict_through`, on another thread: a rerun of a finished run
     # runs no step, yet its final save of `start_step` awaits a verdict.
     self._newest_step = start_step
-    # Checks covering the same steps (the loop's, a save worker's) may report
+    # Checks covering the same steps (logging's, a save's) may report
     # at once; each step is examined once, so "warn" logs it once.
     self._report_lock = threading.Lock()
     self._reported_through = -1
@@ -271,14 +271,14 @@ class PeerChecks:
 
   Each process's guard sees only its own scalars, and a value one process
   alone returns (a per-process metric) can be non-finite there only. So
-  before writing step s the chief's save worker announces s in the
+  before writing step s the chief's save announces s in the
   distributed runtime's key-value store (`before_save`) and waits for each
   other process's verdict on its own steps up to s; those answer from a
   thread of their own (`answer`) once their loop has run step s. A verdict
   other than "ok", or a failure published meanwhile, vetoes the save; the
   process that found a non-finite value then fails the run. It costs, per
   save, one store write and read per process and each process's read of
-  its newest scalars, all off the loops' threads.
+  its newest scalars; the chief's training thread waits for the verdicts.
   """
 
   def __init__(self, guard: NonFiniteGuard):

@@ -192,8 +192,8 @@ def default_periodic_actions(config, checkpointer, writer, state, save_checkpoin
         logging_growth_ratios=growth)
 
   saved_at = [None]
-  # jaxline_ng's checkpointers run the guard after dispatching their copies
-  # (the disk one on its save worker); a user's checkpointer gets a checked state.
+  # jaxline_ng's checkpointers run the guard after dispatching their copies, so
+  # the devices copy while it waits; a user's checkpointer gets a checked state.
   validates = "validate" in inspect.signature(checkpointer.save).parameters
   durable = writer is not None and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
 
@@ -239,7 +239,7 @@ def flush_metrics(write: periodic.PeriodicAction | None, writer,
 
   A resumed run never redoes the steps a checkpoint covers, so their rows
   must be on disk before it can be: this runs before a durable `save`, and
-  the checkpoint is committed after that, on the save worker. The wait is
+  the checkpoint is committed after that, by orbax in the background. The wait is
   for the write action's due steps (the devices finishing the current
   step) and the writer's flush; `python -m benchmarks.metrics_before_save`
   measures it.
