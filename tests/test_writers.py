@@ -197,6 +197,35 @@ def test_tensorboard_scalars_beyond_float32_nan_and_long_tags_read_back(tmp_path
   assert big == math.inf and negative == -math.inf and math.isnan(nan) and count == 7.0
 
 
+def test_a_tensorboard_resume_hides_an_earlier_runs_points_past_the_step(tmp_path):
+  from tensorboard.backend.event_processing import plugin_event_accumulator
+
+  earlier = writers.TensorBoardWriter(str(tmp_path))
+  for step in range(1, 6):
+    earlier.write_scalars(step, {"loss": step / 2})
+  earlier.close()
+  time.sleep(1.1)  # Event file names start with their second: the next one sorts after.
+  writer = writers.TensorBoardWriter(str(tmp_path))
+  writer.write_scalars(1, {"lr": 0.5})
+  writer.flush()
+  writer.resume(3)  # Steps 4 and 5 are redone: their earlier points must not show.
+  writer.write_scalars(4, {"lr": 0.25, "loss": 4.0})
+  writer.write_scalars(5, {"lr": 0.125, "loss": 5.0})
+  writer.close()
+  # What TensorBoard shows: it reads the files in name order and applies the purge.
+  shown = plugin_event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+  shown.Reload()
+  points = {tag: [(event.step, float(tf_value(event))) for event in shown.Tensors(tag)]
+            for tag in ("loss", "lr")}
+  assert points == {"loss": [(1, 0.5), (2, 1.0), (3, 1.5), (4, 4.0), (5, 5.0)],
+                    "lr": [(1, 0.5), (4, 0.25), (5, 0.125)]}
+
+
+def tf_value(event):
+  from tensorboard.util import tensor_util
+  return tensor_util.make_ndarray(event.tensor_proto).item()
+
+
 def test_tensorboard_images_histograms_and_texts_round_trip(tmp_path):
   import tensorflow as tf
 
