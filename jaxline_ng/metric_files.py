@@ -1,10 +1,8 @@
 """The files a run's metrics go to: TensorBoard event files and `metrics.jsonl`.
 
-Both writers are synchronous (`writers.AsyncWriter` runs them on a
-background thread) and check what they are given the same way, so a run
-logging to both never fails only because TensorBoard is on. Each can
-`resume` after an interrupted run, setting aside what it wrote past the
-step the new run goes on from.
+Both writers are synchronous (`writers.AsyncWriter` runs them in the
+background) and check their input alike, so a run logging to both never
+fails only because TensorBoard is on. Each can `resume` after an interrupted run.
 """
 
 import contextlib
@@ -27,9 +25,8 @@ _JSONL_BUFFER_BYTES = 1 << 16
 # How much of the end of `metrics.jsonl` a resume reads at a time.
 _RESUME_READ_BYTES = 1 << 16
 
-# Events TensorFlow's file writer holds before writing them out (it also
-# writes on `flush`, which `writers.AsyncWriter` calls when idle): fewer,
-# larger writes for a run logging every step.
+# Events TensorFlow's file writer holds before writing them out (and on `flush`,
+# which `writers.AsyncWriter` calls when idle): fewer writes when logging every step.
 _TENSORBOARD_MAX_QUEUE = 1000
 
 # TensorBoardWriter writes its buffered scalar rows once this many wait.
@@ -72,8 +69,7 @@ def to_step(global_step: Any) -> int:
 
 
 def _check_image(value: Any, name: str) -> None:
-  """Raises WriteInputError unless `value` is an image or image batch (its shape alone
-  is looked at: a device array is not copied)."""
+  """Raises WriteInputError unless `value` is an image or image batch (by its shape alone)."""
   if np.ndim(value) not in (2, 3, 4):
     raise WriteInputError(f"write_images: image {name!r} is {type(value).__name__} "
                           f"{value!r:.40} of shape {np.shape(value)}: write [H, W], [H, W, C] or "
@@ -84,12 +80,8 @@ def _to_image_batch(value: Any, name: str) -> np.ndarray:
   """Image `name`, an image or image batch, as the [B, H, W, C] array TensorBoard expects."""
   _check_image(value, name)
   image = np.asarray(value)
-  match image.ndim:
-    case 2:
-      return image[None, :, :, None]
-    case 3:
-      return image[None]
-  return image
+  image = image[..., None] if image.ndim == 2 else image
+  return image[None] if image.ndim == 3 else image
 
 
 class TensorBoardWriter:
@@ -107,9 +99,8 @@ class TensorBoardWriter:
   """
 
   def __init__(self, logdir: str):
-    # The first write may come at interpreter exit (see writers.AsyncWriter).
-    # The TensorFlow import then loads these modules, whose import registers
-    # a threading exit hook, which Python refuses once shutdown has begun.
+    # The first write may come at interpreter exit (see writers.AsyncWriter), when Python
+    # refuses the threading exit hook these modules register if TensorFlow imports them.
     import concurrent.futures.process  # noqa: F401
     import concurrent.futures.thread  # noqa: F401
 
@@ -142,7 +133,7 @@ class TensorBoardWriter:
     # TF reports a bad logdir as an op failure; this gives a plain OSError.
     os.makedirs(self._logdir, exist_ok=True)
     if self._earlier_events is None:
-      self._earlier_events = bool(_event_files(self._logdir))
+      self._earlier_events = any(".tfevents." in name for name in os.listdir(self._logdir))
     self._tf = tf
     self._writer = tf.summary.create_file_writer(self._logdir, max_queue=_TENSORBOARD_MAX_QUEUE)
     self._programs = {}  # Each holds the file writer it was compiled with.
@@ -188,9 +179,8 @@ class TensorBoardWriter:
     tf = self._tf
     metadata = scalars.create_summary_metadata(display_name=None, description=None)
 
-    # `tf.summary.write`, as `tf.summary.scalar` does once it has made the tag:
-    # inside the loop `scalar` would prefix the loop's name scope ("while/").
-    # No autograph: it leaves a generated source file per program in the temp directory.
+    # `tf.summary.write`, as `tf.summary.scalar` does: inside the loop `scalar` would prefix
+    # the loop's name scope to the tag. No autograph: it leaves source files in the temp dir.
     @tf.function(input_signature=[tf.TensorSpec([None], tf.int64),
                                   tf.TensorSpec([None, len(tags)], tf.float64)], autograph=False)
     def write_rows(steps, values):
@@ -229,15 +219,12 @@ class TensorBoardWriter:
   def resume(self, global_step: int, *, set_aside_past: int | None = None) -> None:
     """Marks a restart after `global_step`: TensorBoard drops earlier runs' points past it.
 
-    TensorBoard's own mechanism: a `SessionLog` START event at step s hides
-    every point at step >= s read before it, except that the first START of
-    a log only marks its beginning. Two are written, so the second hides
-    the points whether or not the earlier runs wrote a first one (a second
-    purge at the same step changes nothing). They go in a file of their own,
-    named to sort after the earlier runs' files, and this writer then
-    starts a new file that sorts after it (TensorBoard reads a log's files
-    in name order), so this run's points stay. Without earlier event files
-    there is nothing to hide and nothing is written. `set_aside_past` is
+    TensorBoard's own mechanism: a `SessionLog` START event at step s hides every point
+    at step >= s read before it, except that the first START of a log only marks its
+    beginning. Two are written (a second purge at the same step changes nothing), in a
+    file of their own named to sort after the earlier runs' files; this writer then starts
+    a file that sorts after it (TensorBoard reads a log's files in name order), so this
+    run's points stay. Without earlier event files nothing is written. `set_aside_past` is
     `JsonlWriter.resume`'s: the event files stay whole, the points are hidden.
     """
     del set_aside_past
@@ -273,21 +260,16 @@ class TensorBoardWriter:
     self._closed = True
 
 
-def _event_files(logdir: str) -> list[str]:
-  return [name for name in os.listdir(logdir) if ".tfevents." in name]
-
-
 class JsonlWriter:
   """Appends one JSON object per `write_scalars` call to a file, synchronously.
 
-  Each line is `{"step": <int>, "<name>": <number>, ...}`, a scalar itself
-  named "step" written as "scalar/step". Integer values stay
-  integers, all others become floats; NaN and infinities are written as
-  `NaN`, `Infinity` and `-Infinity`, as Python's `json` does: Python and
-  pandas read them back, strict RFC 8259 parsers reject them. Lines are kept
-  in memory and reach the file only whole, on `flush()`, `close()` or when
-  `_JSONL_BUFFER_BYTES` have accumulated. The file and its parent directories
-  are created at the first write. Images, histograms and texts are ignored.
+  Each line is `{"step": <int>, "<name>": <number>, ...}`, a scalar itself named "step"
+  written as "scalar/step". Integers stay integers, all else becomes floats; NaN and
+  infinities are written as `NaN`, `Infinity` and `-Infinity`, as Python's `json` does
+  (Python and pandas read them back, strict RFC 8259 parsers do not). Lines reach the
+  file only whole, on `flush()`, `close()` or once `_JSONL_BUFFER_BYTES` accumulate. The
+  file and its directories are created at the first write. Images, histograms and texts
+  are ignored.
   """
 
   def __init__(self, path: str):
