@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import read_jsonl, run
 
-from jaxline_ng import writers
+from jaxline_ng import metric_files, writers
 
 
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -171,24 +171,45 @@ def test_tensorboard_writer_leaves_nothing_in_the_temp_directory(tmp_path, monke
   assert not os.listdir(temp_dir)  # Autograph left a source file per writer.
 
 
-def test_scalar_rows_serialize_as_the_protos_would():
-  """The hand-serialized rows parse to the Summary protobuf would build (same
-  canonical encoding once re-serialized; fields may come in another order),
-  including tags longer than 127 bytes (two-byte lengths), non-ASCII tags,
-  integers, NaN and values beyond float32 (which become infinities)."""
-  from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
+def test_tensorboard_scalars_beyond_float32_nan_and_long_tags_read_back(tmp_path):
+  # TensorBoard stores float32: a finite value beyond it becomes an infinity.
+  writer = writers.TensorBoardWriter(str(tmp_path))
+  writer.write_scalars(1, {"a/" * 100: 1e39, "négatif": -1e39, "nan": math.nan, "count": 7})
+  writer.close()
+  scalars = _read_scalars(tmp_path)
+  assert [(step, tag) for step, tag, _ in scalars] == [
+      (1, "a/" * 100), (1, "négatif"), (1, "nan"), (1, "count")]
+  big, negative, nan, count = (value for _, _, value in scalars)
+  assert big == math.inf and negative == -math.inf and math.isnan(nan) and count == 7.0
 
-  metadata = summary_pb2.SummaryMetadata(
-      plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
-  for scalars in ({"loss": 0.5, "steps_per_sec": 912.3},
-                  {"a/" * 100: 1e39, "négatif": -1e39, "nan": math.nan, "count": 7}):
-    expected = summary_pb2.Summary(value=[
-        summary_pb2.Summary.Value(tag=name, metadata=metadata, tensor=tensor_pb2.TensorProto(
-            dtype=types_pb2.DT_FLOAT, float_val=[value])) for name, value in scalars.items()])
-    row = b"".join(writers._summary_value_bytes(name, value)  # pylint: disable=protected-access
-                   for name, value in scalars.items())
-    parsed = summary_pb2.Summary.FromString(row)
-    assert parsed.SerializeToString() == expected.SerializeToString()
+
+def test_a_tensorboard_resume_hides_an_earlier_runs_points_past_the_step(tmp_path):
+  from tensorboard.backend.event_processing import plugin_event_accumulator
+
+  earlier = writers.TensorBoardWriter(str(tmp_path))
+  for step in range(1, 6):
+    earlier.write_scalars(step, {"loss": step / 2})
+  earlier.close()
+  time.sleep(1.1)  # Event file names start with their second: the next one sorts after.
+  writer = writers.TensorBoardWriter(str(tmp_path))
+  writer.write_scalars(1, {"lr": 0.5})
+  writer.flush()
+  writer.resume(3)  # Steps 4 and 5 are redone: their earlier points must not show.
+  writer.write_scalars(4, {"lr": 0.25, "loss": 4.0})
+  writer.write_scalars(5, {"lr": 0.125, "loss": 5.0})
+  writer.close()
+  # What TensorBoard shows: it reads the files in name order and applies the purge.
+  shown = plugin_event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+  shown.Reload()
+  points = {tag: [(event.step, float(tf_value(event))) for event in shown.Tensors(tag)]
+            for tag in ("loss", "lr")}
+  assert points == {"loss": [(1, 0.5), (2, 1.0), (3, 1.5), (4, 4.0), (5, 5.0)],
+                    "lr": [(1, 0.5), (4, 0.25), (5, 0.125)]}
+
+
+def tf_value(event):
+  from tensorboard.util import tensor_util
+  return tensor_util.make_ndarray(event.tensor_proto).item()
 
 
 def test_tensorboard_images_histograms_and_texts_round_trip(tmp_path):
@@ -307,6 +328,47 @@ def test_multi_writer_calls_every_writer_even_after_a_failure():
       ("flush", None, None),
   ]
   assert broken.closed and healthy.closed
+
+
+class _JaxlineWriter:
+  """jaxline's Writer protocol alone: write_scalars and write_images."""
+
+  def __init__(self):
+    self.scalars = []
+
+  def write_scalars(self, global_step, scalars):
+    self.scalars.append((global_step, dict(scalars)))
+
+  def write_images(self, global_step, images):
+    del global_step, images
+
+
+def test_adapt_gives_a_jaxline_writer_flush_close_and_resume(tmp_path):
+  jaxline_writer = _JaxlineWriter()
+  adapted = writers.adapt(jaxline_writer)
+  assert isinstance(adapted, writers.RunWriter)
+  adapted.write_scalars(1, {"loss": 0.5})
+  adapted.resume(0, set_aside_past=0)  # A jaxline writer keeps what it wrote.
+  adapted.flush()
+  adapted.close()
+  assert jaxline_writer.scalars == [(1, {"loss": 0.5})]
+  # A writer with flush and close of its own gets them called; ours are returned as they are.
+  recording = _RecordingWriter()
+  writers.adapt(recording).flush()
+  writers.adapt(recording).close()
+  assert [call[0] for call in recording.calls] == ["flush"] and recording.closed
+  ours = writers.make_writer(str(tmp_path), tensorboard=False)
+  assert writers.adapt(ours) is ours and writers.adapt(None) is None
+  ours.close()
+
+
+def test_a_jaxline_writer_behind_the_async_writer_resumes_and_closes():
+  jaxline_writer = _JaxlineWriter()
+  writer = writers.AsyncWriter(jaxline_writer)
+  writer.resume(5)
+  writer.write_scalars(6, {"loss": 0.5})
+  writer.close()
+  assert jaxline_writer.scalars == [(6, {"loss": 0.5})]
 
 
 def test_async_writer_keeps_order_of_many_writes_on_disk(tmp_path):
@@ -585,7 +647,7 @@ def test_jsonl_resume_reads_only_the_end_of_a_long_file(tmp_path, monkeypatch):
       read.append(len(data))
       return data
 
-  monkeypatch.setattr(writers, "open", Counted, raising=False)
+  monkeypatch.setattr(metric_files, "open", Counted, raising=False)
   writers.JsonlWriter(str(path)).resume(99_990)
   assert path.read_bytes() == rows[:rows.index(b'{"step": 99991,')]
   assert sum(read) < len(rows) // 10, (sum(read), len(rows))
