@@ -11,6 +11,7 @@ import sys
 
 import ml_collections
 from absl import flags, logging
+from ml_collections import config_flags
 
 from jaxline_ng import base_config
 
@@ -84,7 +85,7 @@ def report_errors_in_one_line(config_flag) -> None:
   config_flag._parse = parse_or_explain  # pylint: disable=protected-access
 
 
-def as_config_dict(config, filename: str) -> ml_collections.ConfigDict:
+def as_config_dict(config, config_flag) -> ml_collections.ConfigDict:
   """The config as a ConfigDict; a `get_config()` returning a plain dict is converted.
 
   Nothing of jaxline's config contract needs more than a ConfigDict built
@@ -92,12 +93,14 @@ def as_config_dict(config, filename: str) -> ml_collections.ConfigDict:
 
   Args:
     config: what the config file's `get_config()` returned.
-    filename: the config file, named if `config` is neither.
+    config_flag: the `--config` flag, whose file is named if `config` is
+      neither (a config set in code, as tests do with flagsaver, has none).
   """
   if isinstance(config, ml_collections.ConfigDict):
     return config
   if isinstance(config, dict):
     return ml_collections.ConfigDict(config)
+  filename = config_flags.get_config_filename(config_flag)
   raise base_config.ConfigError(
       f"config file {filename!r}: get_config() returned a {type(config).__name__}; return an "
       "ml_collections.ConfigDict, e.g. built on jaxline_ng.base_config.get_base_config()")

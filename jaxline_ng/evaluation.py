@@ -73,6 +73,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
     experiment = experiment_lib.construct(experiment_class, jaxline_mode,
                                           jax.random.PRNGKey(config.random_seed),
                                           config.experiment_kwargs)
+  run_writer = writers.adapt(writer)  # None where this process writes nothing.
   state = checkpointer.get_experiment_state("latest")
   state.global_step = 0
   state.experiment_module = experiment
@@ -174,12 +175,12 @@ def evaluate(experiment_class, config, checkpointer, writer,
     else:  # "initial"
       state.global_step = 0
     initial_weights_pending = False
-    if evaluated_step < 0 and writer is not None and hasattr(writer, "resume"):
+    if evaluated_step < 0 and run_writer is not None:
       # This job's first evaluation: a row of its step is an earlier job's
       # (an evaluator restarted over the newest checkpoint), about to be
       # redone. Rows past it are an earlier run's (a run restarted afresh,
       # or a one-off evaluation of an older checkpoint): kept aside.
-      writer.resume(state.global_step - 1, set_aside_past=state.global_step)
+      run_writer.resume(state.global_step - 1, set_aside_past=state.global_step)
     if evaluated_step < 0 and best is not None:
       best.start_at(state.global_step)
     evaluated_step = state.global_step
@@ -200,7 +201,8 @@ def evaluate(experiment_class, config, checkpointer, writer,
     if writer is not None:
       writer.write_scalars(state.global_step, values)
     if problems:
-      writers.flush_if_possible(writer)
+      if run_writer is not None:
+        run_writer.flush()
       raise scalars_lib.ScalarsError(next(iter(problems.values())))
     best_lib.check_best_metric(config, scalars)
     if best is not None:
@@ -221,7 +223,8 @@ def evaluate(experiment_class, config, checkpointer, writer,
     finished_run_steps = None if stop_waiting else _finished_run_steps(experiment, config, state)
     polls_without_trainer = 0
   checkpointer.wait_for_checkpointing_to_finish()
-  writers.flush_if_possible(writer)
+  if run_writer is not None:
+    run_writer.flush()
   if asked_to_stop:
     logging.warning("[jaxline_ng] Evaluation stopped by %s %s.", preemption.stop_reason(),
                     f"after step {evaluated_step}" if evaluated_step >= 0

@@ -249,4 +249,4 @@ def flush_metrics(write: periodic.PeriodicAction | None, writer,
       write.finish()  # Every step's row is kept: those since the last write are held back.
     else:
       write.wait_to_finish()
-  writers.flush_if_possible(writer)
+  writers.adapt(writer).flush()

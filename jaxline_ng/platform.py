@@ -177,9 +177,8 @@ def _writer_and_record(config, mode: str):
 
 
 def _close(writer) -> None:
-  close = getattr(writer, "close", None)  # Optional in jaxline's Writer protocol.
-  if close is not None:
-    close()
+  if writer is not None:
+    writers.adapt(writer).close()
 
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
@@ -334,8 +333,7 @@ def main(experiment_class, argv: Sequence[str],
   launch.watch_the_launcher()
   try:
     xla_cpu.check_pool()
-    config = config_loading.as_config_dict(
-        config, config_flags.get_config_filename(FLAGS["config"]))
+    config = config_loading.as_config_dict(config, FLAGS["config"])
     if distributed.initialize_if_requested():
       agreement.exit_when_a_peer_fails()
     agreement.begin_run()

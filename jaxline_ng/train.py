@@ -108,11 +108,12 @@ def train(experiment_class, config, checkpointer, writer,
       "every process must see the same checkpoints: give them one shared checkpoint_dir")
   if keeps_our_entries:
     state.run_config = run_config
-  if writer is not None and hasattr(writer, "resume"):
+  run_writer = writers.adapt(writer)  # None where this process writes nothing.
+  if run_writer is not None:
     # Rows an interrupted run wrote past its last checkpoint are redone from
     # here: the old ones go, in metrics.jsonl and TensorBoard alike (an
     # earlier run's, when there is no checkpoint, are set aside).
-    writer.resume(state.global_step)
+    run_writer.resume(state.global_step)
 
   # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
   guard = guards.NonFiniteGuard(config.non_finite_policy, start_step=state.global_step)
@@ -202,7 +203,8 @@ def train(experiment_class, config, checkpointer, writer,
   # --- Wrap-up: wait for async work. ---
   try:
     checkpointer.wait_for_checkpointing_to_finish()
-    writers.flush_if_possible(writer)
+    if run_writer is not None:
+      run_writer.flush()
     # The other processes answer the chief's checks until it has saved.
     multihost.rendezvous("jaxline_ng_train_end")
   finally:
@@ -286,11 +288,10 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
         f"--jaxline_mode=train_eval_multithreaded over {jax.process_count()} processes: the "
         "evaluator's collectives would interleave with training's in another order in each "
         "process and abort the run; run --jaxline_mode=eval as a job of its own beside training")
-  if (eval_writer is not None and hasattr(eval_writer, "resume")
-      and not checkpointer.can_be_restored("latest")):
+  if eval_writer is not None and not checkpointer.can_be_restored("latest"):
     # Training starts at step 0 (`train` sets its own writer's earlier rows
     # aside): so do the evaluator's, before it can write.
-    eval_writer.resume(0)
+    writers.adapt(eval_writer).resume(0)
   training_errors: list[BaseException] = []
 
   def run_training():

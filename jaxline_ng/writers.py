@@ -321,11 +321,3 @@ def make_writer(logdir: str, *, use_async: bool = True, tensorboard: bool = True
   if not use_async:
     return writer
   return AsyncWriter(writer, prepare=sinks[0].prepare if tensorboard else None)
-
-
-def flush_if_possible(writer) -> None:
-  """Flushes `writer` if it can: jaxline's `Writer` protocol requires only
-  `write_scalars` and `write_images`."""
-  flush = getattr(writer, "flush", None)
-  if flush is not None:
-    flush()

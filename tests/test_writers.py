@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import read_jsonl, run
+from test_dropin import MinimalWriter
 
 from jaxline_ng import metric_files, writers
 
@@ -330,21 +331,8 @@ def test_multi_writer_calls_every_writer_even_after_a_failure():
   assert broken.closed and healthy.closed
 
 
-class _JaxlineWriter:
-  """jaxline's Writer protocol alone: write_scalars and write_images."""
-
-  def __init__(self):
-    self.scalars = []
-
-  def write_scalars(self, global_step, scalars):
-    self.scalars.append((global_step, dict(scalars)))
-
-  def write_images(self, global_step, images):
-    del global_step, images
-
-
 def test_adapt_gives_a_jaxline_writer_flush_close_and_resume(tmp_path):
-  jaxline_writer = _JaxlineWriter()
+  jaxline_writer = MinimalWriter()
   adapted = writers.adapt(jaxline_writer)
   assert isinstance(adapted, writers.RunWriter)
   adapted.write_scalars(1, {"loss": 0.5})
@@ -363,7 +351,7 @@ def test_adapt_gives_a_jaxline_writer_flush_close_and_resume(tmp_path):
 
 
 def test_a_jaxline_writer_behind_the_async_writer_resumes_and_closes():
-  jaxline_writer = _JaxlineWriter()
+  jaxline_writer = MinimalWriter()
   writer = writers.AsyncWriter(jaxline_writer)
   writer.resume(5)
   writer.write_scalars(6, {"loss": 0.5})
