@@ -336,39 +336,12 @@ def main(experiment_class, argv: Sequence[str],
     config = config_loading.as_config_dict(config, FLAGS["config"])
     if distributed.initialize_if_requested():
       agreement.exit_when_a_peer_fails()
-    agreement.begin_run()
-    base_config.validate_config(config)
-    config_loading.make_paths_absolute(config)
-    if config.get("checkpointer") == "disk":  # Before the run's lock and cache go there.
-      from jaxline_ng import disk_checkpointing  # Deferred: orbax is slow to import.
-      disk_checkpointing.check_checkpoint_dir(config.checkpoint_dir)
-    check_mode(mode)
-    if distributed.is_multiprocess() and debugging.pmap_jit_disabled():
-      # chex makes each process's pmaps vmaps over its own devices: the
-      # processes would train apart and wait forever on each other's saves.
-      raise base_config.ConfigError(
-          "--jaxline_disable_pmap_jit runs pmap as a vmap over this process's devices alone, "
-          "so several processes would train apart: debug with one process")
-    # JAX takes process 0's count when others give another: a wrong count is named too.
-    agreement.check_same_launch({
-        "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
-        "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
-        # Collectives over other dtypes abort; other keys make replicas differ.
-        "jax_enable_x64": jax.config.jax_enable_x64,
-        "jax_default_prng_impl": jax.config.jax_default_prng_impl,
-        # Hosts may mount one checkpoint_dir at different paths: whether theirs
-        # is one directory is checked by its lock (`_check_checkpoint_dir_is_shared`).
-        **{f"config.{key}": value for key, value in run_record.flat_config(config).items()
-           if key != "checkpoint_dir"}})
-    check_tpu_flags()
-    persistent_cache.enable_compilation_cache(config)
-    config_loading.warn_if_eval_dir_differs(config)
-    logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
-    # Training processes agree on stops through JAX's preemption service,
-    # which takes SIGTERM as its notice.
+    # Signals are the run's from here. The distributed runtime, just started,
+    # takes SIGTERM for JAX's preemption service, which only training's loop
+    # consults: an eval job signalled while it set up waited forever.
     sigterm_to_jax = distributed.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
     with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
-      debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
+      _check_and_run(experiment_class, config, mode, checkpointer_factory)
       if preemption.signalled():
         # It came as the work ended (the last evaluation, the final save): the
         # exit is still the code the log promised, and a program's code after
@@ -389,6 +362,39 @@ def main(experiment_class, argv: Sequence[str],
     if one_line:
       raise SystemExit(f"jaxline_ng: error: {e}") from None
     raise
+
+
+def _check_and_run(experiment_class, config, mode: str, checkpointer_factory) -> None:
+  """Checks the config and the launch (agreed across processes), then runs the mode."""
+  agreement.begin_run()
+  base_config.validate_config(config)
+  config_loading.make_paths_absolute(config)
+  if config.get("checkpointer") == "disk":  # Before the run's lock and cache go there.
+    from jaxline_ng import disk_checkpointing  # Deferred: orbax is slow to import.
+    disk_checkpointing.check_checkpoint_dir(config.checkpoint_dir)
+  check_mode(mode)
+  if distributed.is_multiprocess() and debugging.pmap_jit_disabled():
+    # chex makes each process's pmaps vmaps over its own devices: the
+    # processes would train apart and wait forever on each other's saves.
+    raise base_config.ConfigError(
+        "--jaxline_disable_pmap_jit runs pmap as a vmap over this process's devices alone, "
+        "so several processes would train apart: debug with one process")
+  # JAX takes process 0's count when others give another: a wrong count is named too.
+  agreement.check_same_launch({
+      "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
+      "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
+      # Collectives over other dtypes abort; other keys make replicas differ.
+      "jax_enable_x64": jax.config.jax_enable_x64,
+      "jax_default_prng_impl": jax.config.jax_default_prng_impl,
+      # Hosts may mount one checkpoint_dir at different paths: whether theirs
+      # is one directory is checked by its lock (`_check_checkpoint_dir_is_shared`).
+      **{f"config.{key}": value for key, value in run_record.flat_config(config).items()
+         if key != "checkpoint_dir"}})
+  check_tpu_flags()
+  persistent_cache.enable_compilation_cache(config)
+  config_loading.warn_if_eval_dir_differs(config)
+  logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
+  debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
 
 
 def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:

@@ -264,11 +264,25 @@ def test_a_stop_asked_of_another_process_ends_a_waiting_eval_job_at_once(tmp_pat
   launch = Launch(toy(tmp_path, "--jaxline_mode=eval"))
   pid = launch.pid(1)
   launch.wait_for(r"^\[p0\] .*Waiting for a new checkpoint")
+  launch.wait_for(r"^\[p1\] .*mode=eval checkpoint_dir")
   signalled = time.monotonic()
   os.kill(pid, signal.SIGTERM)
   assert launch.finish() == 75, launch.output
   assert launch.exit_codes() == [75, 75], launch.output
   assert time.monotonic() - signalled < 5, launch.output
+
+
+def test_a_sigterm_while_an_eval_job_sets_up_stops_it(tmp_path):
+  # Once JAX's runtime had started it took SIGTERM for its preemption
+  # service, which an eval job never consults, until jaxline_ng's own
+  # handling began: a signal in between (the config and launch checks) was
+  # swallowed and the job waited forever.
+  launch = Launch(toy(tmp_path, "--jaxline_mode=eval"))
+  pid = launch.pid(1)
+  launch.wait_for(r"^\[p1\] .*Process 1 of 2; 2 local devices")
+  os.kill(pid, signal.SIGTERM)
+  assert launch.finish() == 75, launch.output
+  assert launch.exit_codes() == [75, 75], launch.output
 
 
 MESH = ("--config.placement=mesh", "--config.mesh_shape=data:-1,model:4",
