@@ -132,11 +132,12 @@ class _SaveAction(periodic.PeriodicAction):
     self.wait_to_finish()
 
 
-def default_periodic_actions(config, checkpointer, writer, state, save_checkpoints: bool,
-                              guard: guards.NonFiniteGuard,
-                              differing_copies: DifferingCopies,
-                              peer_checks: guards.PeerChecks | None = None,
-                              peer_positions: iterator_state.PeerPositions | None = None):
+def default_periodic_actions(config, checkpointer, writer: writers.RunWriter | None, state,
+                             save_checkpoints: bool,
+                             guard: guards.NonFiniteGuard,
+                             differing_copies: DifferingCopies,
+                             peer_checks: guards.PeerChecks | None = None,
+                             peer_positions: iterator_state.PeerPositions | None = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
   The guard sees what logging and writing copy to the host, and each save
@@ -233,7 +234,7 @@ def default_periodic_actions(config, checkpointer, writer, state, save_checkpoin
   return actions, save_latest
 
 
-def flush_metrics(write: periodic.PeriodicAction | None, writer,
+def flush_metrics(write: periodic.PeriodicAction | None, writer: writers.RunWriter,
                    log_all_train_data: bool) -> None:
   """Puts every metric row up to the current step on disk.
 
@@ -249,4 +250,4 @@ def flush_metrics(write: periodic.PeriodicAction | None, writer,
       write.finish()  # Every step's row is kept: those since the last write are held back.
     else:
       write.wait_to_finish()
-  writers.adapt(writer).flush()
+  writer.flush()

@@ -134,7 +134,7 @@ def train(experiment_class, config, checkpointer, writer,
   # Every process runs the saves where each hands its data positions to the chief's.
   saves = save_checkpoints or bool(peer_positions and peer_positions.names)
   default_actions, save_latest = loop_actions.default_periodic_actions(
-      config, checkpointer, writer, state, save_checkpoints, guard, differing_copies,
+      config, checkpointer, run_writer, state, save_checkpoints, guard, differing_copies,
       peer_checks, peer_positions)
   for action in periodic_actions:  # As jaxline: the caller's actions count from now.
     if hasattr(action, "update_time"):
