@@ -73,12 +73,18 @@ def test_a_process_stuck_in_its_step_ends_the_run_of_two(tmp_path):
   assert len(pids) == 2 and not any(running(pid) for pid in pids), output[-4000:]
 
 
-def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path):
-  # It passed SIGTERM on once and waited forever for processes stuck in a step.
+def launch_stuck(tmp_path, stop_grace_secs: int) -> Launch:
+  """Two processes in a step that never returns, their watchdogs off."""
   launch = Launch(toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=2",
-                      "--config.step_timeout_secs=0"), "--stop_grace_secs=3")
+                      "--config.step_timeout_secs=0"), f"--stop_grace_secs={stop_grace_secs}")
   launch.wait_for("training loop starting", count=2)
   time.sleep(2)  # Into the step that never returns.
+  return launch
+
+
+def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path):
+  # It passed SIGTERM on once and waited forever for processes stuck in a step.
+  launch = launch_stuck(tmp_path, stop_grace_secs=3)
   launch.process.send_signal(signal.SIGTERM)
   assert launch.process.wait(timeout=60) != 0
   output = launch.output()
@@ -91,12 +97,9 @@ def test_the_launcher_kills_processes_that_do_not_stop_within_its_grace(tmp_path
 def test_processes_of_a_killed_launcher_end_within_its_grace(tmp_path):
   # Killed outright, the launcher left both processes of a stuck run running
   # for good, holding their devices and the run's lock.
-  launch = Launch(toy(tmp_path, "--config.experiment_kwargs.config.hang_at_step=2",
-                      "--config.step_timeout_secs=0"), "--stop_grace_secs=2")
-  launch.wait_for("training loop starting", count=2)
+  launch = launch_stuck(tmp_path, stop_grace_secs=2)
   pids = launch.pids()
   assert len(pids) == 2
-  time.sleep(2)
   launch.process.kill()
   launch.process.wait()
   deadline = time.monotonic() + 15
