@@ -11,7 +11,6 @@ saves and the final save count as part of the step they follow.
 """
 
 import faulthandler
-import os
 import sys
 import threading
 import time
@@ -95,7 +94,9 @@ class StepWatchdog(periodic.EveryStepAction):
       telling.start()
       telling.join(timeout=5)
     print(f"jaxline_ng: error: {message}", file=sys.stderr, flush=True)
-    os._exit(EXIT_STUCK)  # pylint: disable=protected-access  (the stuck threads never return)
+    # Not a plain exit: process 0 hosts JAX's coordination service, and the
+    # others must hear of the failure before it goes (see exit_after_failure).
+    agreement.exit_after_failure(EXIT_STUCK)
 
   def close(self) -> None:
     """Stops watching: the run has ended, however it ended."""
