@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-
 from helpers import ENV, ROOT, TOY, launch_command, run, running
 from helpers import toy_command as toy
 
