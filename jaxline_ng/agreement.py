@@ -166,18 +166,6 @@ def rendezvous(name: str = "jaxline_ng") -> None:
 barrier = rendezvous
 
 
-def check_same_launch(launch: dict[str, Any]) -> None:
-  """Raises MultihostError naming the keys where this process's `launch` (JSON-safe
-  `{key: value}`: the mode, the flattened config) differs from process 0's.
-
-  Processes launched differently run different steps and collectives, and
-  would wait on each other until a runtime timeout with an error that names
-  nothing.
-  """
-  check_same_as_chief("was launched", lambda: launch,
-                      "every process of a run takes the same mode and config")
-
-
 def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str) -> None:
   """Raises MultihostError naming the keys where this process's `facts()`
   (JSON-safe `{key: value}`) differ from process 0's: "process 1 {what}
