@@ -57,6 +57,7 @@ _barriers: dict[str, int] = {}
 # Set once this process has published a failure or is exiting after one.
 _ending = threading.Event()
 _watching = threading.Event()  # Set once `exit_when_a_peer_fails` started its watcher.
+_exiting_for_peer = threading.Lock()  # Held by the thread ending this process for a peer.
 # Written by each process about to exit because a process failed.
 _EXITING_KEY = "jaxline_ng/exiting/{}"
 # How long process 0 still waits once the others said they exit: they do so
@@ -286,7 +287,14 @@ def exit_when_a_peer_fails() -> None:
 
 
 def exit_for_peer(failure: str) -> None:
-  """Ends this process with the exit code of the `published_failure()` another process gave."""
+  """Ends this process with the exit code of the `published_failure()` another process gave.
+
+  Once: a second thread that learns of the failure (the watcher, a wait that
+  gave up on it) waits here for the first to end the process.
+  """
+  if not _exiting_for_peer.acquire(blocking=False):
+    while True:
+      time.sleep(60)
   process, exit_code, message = failure.split(" ", 2)
   process, exit_code = int(process), int(exit_code)
   logging.error("[jaxline_ng] Process %d failed (%s); process %d exits with code %d too, "

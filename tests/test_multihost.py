@@ -282,6 +282,30 @@ def test_an_exchange_gives_up_on_a_published_failure_or_its_predicate(monkeypatc
   assert multihost.exchange("answer", "theirs") == ["mine", "theirs"]
 
 
+def test_an_eval_process_waiting_for_the_chiefs_choice_ends_on_a_published_failure(monkeypatch):
+  # The chief of an eval job failed before choosing: the wait for its choice
+  # ends with the chief's exit code instead of polling until the watcher does.
+  from jaxline_ng import evaluation  # pylint: disable=import-outside-toplevel
+  store = DictStore()
+  monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
+  monkeypatch.setattr(agreement, "_ending", type(agreement._ending)())  # pylint: disable=protected-access
+  monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 0)
+  multihost.publish_failure("OSError: disk gone", 3)
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 1)
+  monkeypatch.setattr(evaluation.preemption, "stop_requested", lambda: False)
+  exits = []
+
+  def exit_for_peer(failure):
+    exits.append(failure)
+    raise SystemExit(int(failure.split()[1]))
+
+  monkeypatch.setattr(agreement, "exit_for_peer", exit_for_peer)
+  with pytest.raises(SystemExit):
+    evaluation._agreed(0, choose=lambda: ("stop", None))  # pylint: disable=protected-access
+  assert exits == ["0 3 OSError: disk gone"]
+
+
 def test_a_checkpoint_dir_on_storage_not_shared_is_one_line_naming_it(monkeypatch, tmp_path):
   # A cluster whose checkpoint_dir is each host's local disk: mesh saves hung
   # in orbax's barrier for 5 minutes, ignoring SIGTERM.
