@@ -3,8 +3,11 @@ failure in one ends them all.
 
 Agreements go through the distributed runtime's key-value store, which any
 thread may use (device collectives must stay on the training thread, see
-`multihost`): barriers (`rendezvous`), every process's value of a name
-(`every_process_value`), checks against process 0 (`check_same_as_chief`).
+`multihost`), and all take one form, `exchange`: processes publish a value
+under a name and read the values of the processes they need, until a
+process publishes a failure. Barriers (`rendezvous`), checks against process
+0 (`check_same_as_chief`), the chief's saves awaiting the others' verdicts
+(`guards.PeerChecks`) and an eval job's choice of checkpoint are exchanges.
 A requested stop (SIGTERM to any process, Ctrl-C, the wall-clock budget) goes
 through JAX's preemption service: every process learns of it and they agree
 on the step to stop after (`stop_agreed`). A failure in one process is
@@ -14,13 +17,14 @@ never complete.
 """
 
 import atexit
+import functools
 import json
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -33,7 +37,7 @@ from jaxline_ng.distributed import MultihostError
 
 # The key-value store key the first failing process writes; every process watches it.
 _FAILURE_KEY = "jaxline_ng/failure"
-# A wait for a key of the store polls it at most this far apart. JAX's
+# A wait (`wait_for`, e.g. for a key of the store) polls at most this far apart. JAX's
 # blocking read is not used: each one that times out leaks native memory, in
 # the process and in process 0's coordination service, where a read of a
 # missing key leaks nothing. Every run's exit also waits for its watchers to
@@ -53,6 +57,7 @@ _barriers: dict[str, int] = {}
 # Set once this process has published a failure or is exiting after one.
 _ending = threading.Event()
 _watching = threading.Event()  # Set once `exit_when_a_peer_fails` started its watcher.
+_exiting_for_peer = threading.Lock()  # Held by the thread ending this process for a peer.
 # Written by each process about to exit because a process failed.
 _EXITING_KEY = "jaxline_ng/exiting/{}"
 # How long process 0 still waits once the others said they exit: they do so
@@ -88,20 +93,19 @@ def key_value_try_get(key: str) -> str | None:
     raise
 
 
-def key_value_wait(key: str, give_up: Callable[[], bool]) -> str | None:
-  """The value of `key` once some process writes it, or None once `give_up()` is true.
+def wait_for(look: Callable[[], Any], give_up: Callable[[], bool]) -> Any:
+  """What `look()` returns once it is not None, or None once `give_up()` is true.
 
-  Polls the store, soon after a call starts (an agreement is usually near)
-  and then every `_POLL_SECS`, asking `give_up` before each look.
+  Polls, soon after a call starts (what it waits for is usually near) and
+  then every `_POLL_SECS`; `look` runs at least once, before each `give_up()`.
   """
   delay = 0.001
-  while not give_up():
-    value = key_value_try_get(key)
-    if value is not None:
-      return value
+  while (value := look()) is None:
+    if give_up():
+      return None
     time.sleep(delay)
     delay = min(2 * delay, _POLL_SECS)
-  return None
+  return value
 
 
 def begin_run() -> None:
@@ -117,14 +121,29 @@ def run_key(name: str) -> str:
   return f"jaxline_ng/run{_run_index}/{name}"
 
 
-def every_process_value(name: str, value: str) -> list[str] | None:
-  """Publishes this process's `value` for `name` (a `run_key`) and returns
-  every process's, in process order; None once a process published a failure."""
-  key_value_set(run_key(f"{name}/{jax.process_index()}"), value)
+def exchange(name: str, value: str | None, read_from: Iterable[int] | None = None,
+             give_up: Callable[[], bool] = lambda: False) -> list[str] | None:
+  """The one agreement between processes: each publishes a value under a name, and reads others'.
+
+  Args:
+    name: what the values are of, unique within the current `platform.main`
+      call (`begin_run`); each process publishes a name at most once.
+    value: this process's value for `name`, or None to publish nothing.
+    read_from: the processes whose values to wait for (default every one);
+      empty to only publish.
+    give_up: asked while a value is missing; once true the wait ends. Each
+      value is looked for at least once, so `lambda: True` reads without waiting.
+
+  Returns:
+    The `read_from` processes' values, in that order; None if one is missing
+    when a process has published a failure or `give_up()` is true.
+  """
+  if value is not None:
+    key_value_set(run_key(f"{name}/{jax.process_index()}"), value)
   values = []
-  for process in range(jax.process_count()):
-    got = key_value_wait(run_key(f"{name}/{process}"),
-                         give_up=lambda: published_failure() is not None)
+  for process in range(jax.process_count()) if read_from is None else read_from:
+    got = wait_for(functools.partial(key_value_try_get, run_key(f"{name}/{process}")),
+                   give_up=lambda: give_up() or published_failure() is not None)
     if got is None:
       return None
     values.append(got)
@@ -142,22 +161,10 @@ def rendezvous(name: str = "jaxline_ng") -> None:
   if not distributed.is_multiprocess():
     return
   _barriers[name] = _barriers.get(name, 0) + 1
-  every_process_value(f"rendezvous/{name}/{_barriers[name]}", "")
+  exchange(f"rendezvous/{name}/{_barriers[name]}", "")
 
 
 barrier = rendezvous
-
-
-def check_same_launch(launch: dict[str, Any]) -> None:
-  """Raises MultihostError naming the keys where this process's `launch` (JSON-safe
-  `{key: value}`: the mode, the flattened config) differs from process 0's.
-
-  Processes launched differently run different steps and collectives, and
-  would wait on each other until a runtime timeout with an error that names
-  nothing.
-  """
-  check_same_as_chief("was launched", lambda: launch,
-                      "every process of a run takes the same mode and config")
 
 
 def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str) -> None:
@@ -172,15 +179,15 @@ def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str
   """
   if not distributed.is_multiprocess():
     return
-  key = run_key("as_chief/" + what.replace(" ", "_"))
+  name = "as_chief/" + what.replace(" ", "_")
   if distributed.is_chief():
-    key_value_set(key, json.dumps(facts()))
+    exchange(name, json.dumps(facts()), read_from=())
     return
-  chiefs = key_value_wait(key, give_up=lambda: published_failure() is not None)
+  chiefs = exchange(name, None, read_from=[0])
   if chiefs is None:
     return
   # Both as JSON reads them (tuples as lists), compared key by key.
-  mine, chiefs = json.loads(json.dumps(facts())), json.loads(chiefs)
+  mine, chiefs = json.loads(json.dumps(facts())), json.loads(chiefs[0])
   differing = [key for key in sorted(set(mine) | set(chiefs))
                if not run_record.same_value(mine.get(key), chiefs.get(key))]
   if differing:
@@ -188,8 +195,7 @@ def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str
       # Process 0 failed after publishing its facts, undoing what they
       # describe (its lock is released): its failure is the news, not the
       # difference.
-      process, exit_code, message = failure.split(" ", 2)
-      _exit_for_peer(int(process), int(exit_code), message)
+      exit_for_peer(failure)
     shown = ", ".join(f"{key}={mine.get(key, '<absent>')!r} (process 0: "
                       f"{chiefs.get(key, '<absent>')!r})" for key in differing[:3])
     more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
@@ -263,14 +269,11 @@ def exit_when_a_peer_fails() -> None:
 
   def watch():
     try:
-      value = key_value_wait(_FAILURE_KEY, give_up=done.is_set)
+      failure = wait_for(published_failure, give_up=done.is_set)
     except Exception:  # pylint: disable=broad-except
       return  # The runtime is shutting down.
-    if value is None:
-      return
-    process, exit_code, message = value.split(" ", 2)
-    if int(process) != jax.process_index():  # Else this process is exiting already.
-      _exit_for_peer(int(process), int(exit_code), message)
+    if failure is not None and int(failure.split(" ", 1)[0]) != jax.process_index():
+      exit_for_peer(failure)  # Else this process is exiting already.
 
   watcher = threading.Thread(target=watch, name="jaxline_ng_peer_failure", daemon=True)
   watcher.start()
@@ -283,7 +286,17 @@ def exit_when_a_peer_fails() -> None:
   atexit.register(stop_watching)
 
 
-def _exit_for_peer(process: int, exit_code: int, message: str) -> None:
+def exit_for_peer(failure: str) -> None:
+  """Ends this process with the exit code of the `published_failure()` another process gave.
+
+  Once: a second thread that learns of the failure (the watcher, a wait that
+  gave up on it) waits here for the first to end the process.
+  """
+  if not _exiting_for_peer.acquire(blocking=False):
+    while True:
+      time.sleep(60)
+  process, exit_code, message = failure.split(" ", 2)
+  process, exit_code = int(process), int(exit_code)
   logging.error("[jaxline_ng] Process %d failed (%s); process %d exits with code %d too, "
                 "once the saves it made before are written.", process, message,
                 jax.process_index(), exit_code)
@@ -326,7 +339,8 @@ def exit_after_failure(exit_code: int) -> None:
     deadline = time.monotonic() + _PEER_FAILURE_FLUSH_SECS + 5.0
     try:
       for process in others:
-        key_value_wait(_EXITING_KEY.format(process), give_up=lambda: time.monotonic() > deadline)
+        wait_for(functools.partial(key_value_try_get, _EXITING_KEY.format(process)),
+                 give_up=lambda: time.monotonic() > deadline)
       time.sleep(_EXIT_AFTER_OTHERS_SECS)
     except Exception:  # pylint: disable=broad-except  (the runtime is gone: nothing to wait for)
       pass

@@ -20,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from jaxline_ng import (
+  agreement,
   base_config,
   checkpointing,
   debugging,
@@ -344,21 +345,24 @@ def _agreed(decision: int, choose) -> tuple[str, str | None]:
   The processes of a multi-process evaluation restore together (checking
   arrays sharded over them is a collective) and evaluate together (their
   `evaluate` may be), so they must take the same checkpoints in the same
-  order: the chief chooses and publishes its choice through the
-  distributed runtime's key-value store; the others wait for it there,
-  passing on any stop request they get meanwhile.
+  order: the chief chooses and publishes its choice; the others wait for it,
+  passing on any stop request they get meanwhile, or end with a failure a
+  process published.
   """
-  key = multihost.run_key(f"eval_decision/{decision}")
+  name = f"eval_decision/{decision}"
   if multihost.is_chief():
     choice = choose()
-    multihost.key_value_set(key, json.dumps(choice))
+    agreement.exchange(name, json.dumps(choice), read_from=())
     return choice
 
   def pass_on_stop_request() -> bool:
     _stop_evaluating()  # Tells the chief, whose next choice is then "stop".
     return False
 
-  action, path = json.loads(multihost.key_value_wait(key, give_up=pass_on_stop_request))
+  chosen = agreement.exchange(name, None, read_from=[0], give_up=pass_on_stop_request)
+  if chosen is None:
+    agreement.exit_for_peer(agreement.published_failure())
+  action, path = json.loads(chosen[0])
   return action, path
 
 
@@ -368,12 +372,12 @@ def _restored_by_all(decision: int, step: int | None) -> bool:
   lost a race with the trainer's rotation of checkpoints). If one did not,
   all go on to the next choice rather than evaluate (and meet in collectives)
   apart."""
-  steps = multihost.every_process_value(f"eval_restored/{decision}", json.dumps(step))
+  steps = agreement.exchange(f"eval_restored/{decision}", json.dumps(step))
   return step is not None and steps is not None and len(set(steps)) == 1
 
 
 # Written by the first process of a multi-process evaluation asked to stop.
-_EVAL_STOP_KEY = "eval_stop"  # A `multihost.run_key`.
+_EVAL_STOP_KEY = "eval_stop"  # An `agreement.run_key`.
 
 
 def _stop_evaluating() -> bool:
@@ -386,7 +390,7 @@ def _stop_evaluating() -> bool:
   if not multihost.is_multiprocess():
     return preemption.stop_requested()
   if preemption.stop_requested():
-    multihost.key_value_set(multihost.run_key(_EVAL_STOP_KEY), str(jax.process_index()),
+    agreement.key_value_set(agreement.run_key(_EVAL_STOP_KEY), str(jax.process_index()),
                             allow_existing=True)
     return True
-  return multihost.key_value_try_get(multihost.run_key(_EVAL_STOP_KEY)) is not None
+  return agreement.key_value_try_get(agreement.run_key(_EVAL_STOP_KEY)) is not None

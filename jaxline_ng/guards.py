@@ -25,9 +25,9 @@ this design costs a deque append per step.
 """
 
 import collections
+import itertools
 import math
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,16 +43,8 @@ POLICIES = ("halt", "warn", "off")
 MAX_UNCHECKED = 1000
 # Under "warn", the first this many non-finite steps are each logged.
 _WARN_EACH = 10
-# PeerChecks' keys: the chief's n-th save announces its step, every other
-# process answers with its verdict.
-_SAVE_KEY = "save/{}"  # `agreement.run_key`s.
-_VERDICT_KEY = "verdict/{}/{}"
-# A failing process's verdict on the steps it completed: "<step> <verdict>".
-_LAST_VERDICT_KEY = "last_verdict/{}"
 # How long a failing process may take to leave its last verdict.
 _LAST_VERDICT_SECS = 5.0
-# How often a verdict waits to see whether the loop has run the step asked about.
-_VERDICT_POLL_SECS = 0.01
 
 
 class NonFiniteError(FloatingPointError):
@@ -158,10 +150,8 @@ class NonFiniteGuard(periodic.EveryStepAction):
     raised by the loop at its next step. "stopped" if `give_up()` turns
     true first.
     """
-    while self._newest_step < step:
-      if give_up():
-        return "stopped"
-      time.sleep(_VERDICT_POLL_SECS)
+    if agreement.wait_for(lambda: self._newest_step >= step or None, give_up) is None:
+      return "stopped"
     with self._lock:
       steps = [entry for entry in self._unchecked if entry[0] <= step]
     try:
@@ -270,15 +260,15 @@ class PeerChecks:
   """Multi-process runs: the chief saves a step once every process has checked it.
 
   Each process's guard sees only its own scalars, and a value one process
-  alone returns (a per-process metric) can be non-finite there only. So
-  before writing step s the chief's save announces s in the
-  distributed runtime's key-value store (`before_save`) and waits for each
-  other process's verdict on its own steps up to s; those answer from a
-  thread of their own (`answer`) once their loop has run step s. A verdict
-  other than "ok", or a failure published meanwhile, vetoes the save; the
-  process that found a non-finite value then fails the run. It costs, per
-  save, one store write and read per process and each process's read of
-  its newest scalars; the chief's training thread waits for the verdicts.
+  alone returns (a per-process metric) can be non-finite there only. So the
+  chief's n-th save announces its step s (`agreement.exchange` "save/n") and
+  waits for each other process's verdict ("verdict/n") on its own steps up
+  to s; those answer from a thread of their own (`answer`) once their loop
+  has run step s. A verdict other than "ok", or a failure published
+  meanwhile, vetoes the save; the process that found a non-finite value then
+  fails the run. It costs, per save, one store write and read per process
+  and each process's read of its newest scalars; the chief's training thread
+  waits for the verdicts.
   """
 
   def __init__(self, guard: NonFiniteGuard):
@@ -293,15 +283,12 @@ class PeerChecks:
     def agree():
       index = self._saves  # Saves are checked in order, on one worker.
       self._saves += 1
-      agreement.key_value_set(agreement.run_key(_SAVE_KEY.format(index)), str(step))
+      agreement.exchange(f"save/{index}", str(step), read_from=())
       for process in range(jax.process_count()):
         if process == jax.process_index():
           continue
-        verdict = agreement.key_value_wait(agreement.run_key(_VERDICT_KEY.format(index, process)),
-            give_up=lambda: agreement.published_failure() is not None)
-        if verdict is None:
-          verdict = (self._last_verdict(process, step)
-                     or agreement.published_failure().split(" ", 2)[2])
+        verdicts = agreement.exchange(f"verdict/{index}", None, read_from=[process])
+        verdict = verdicts[0] if verdicts else self._last_verdict(process, step)
         if verdict != "ok":
           logging.warning("[jaxline_ng] Not saving step %d: process %d: %s", step, process, verdict)
           raise PeerFailedError(f"process {process}: {verdict}")
@@ -309,13 +296,15 @@ class PeerChecks:
     return agree
 
   @staticmethod
-  def _last_verdict(process: int, step: int) -> str | None:
-    """`process`'s verdict on `step` left by `answer_before_failing`, if it covers it."""
-    left = agreement.key_value_try_get(agreement.run_key(_LAST_VERDICT_KEY.format(process)))
-    if left is None:
-      return None
-    through, verdict = left.split(" ", 1)
-    return verdict if int(through) >= step else None
+  def _last_verdict(process: int, step: int) -> str:
+    """`process`'s verdict on `step` left by `answer_before_failing` if it
+    covers it, else the failure a process published."""
+    left = agreement.exchange("last_verdict", None, read_from=[process], give_up=lambda: True)
+    if left is not None:
+      through, verdict = left[0].split(" ", 1)
+      if int(through) >= step:
+        return verdict
+    return agreement.published_failure().split(" ", 2)[2]
 
   def answer_before_failing(self) -> None:
     """Leaves this process's verdict on the steps it completed, before it
@@ -326,8 +315,7 @@ class PeerChecks:
     def leave():
       try:
         verdict = self._guard.verdict_through(step, give_up=lambda: True)
-        agreement.key_value_set(
-            agreement.run_key(_LAST_VERDICT_KEY.format(jax.process_index())), f"{step} {verdict}")
+        agreement.exchange("last_verdict", f"{step} {verdict}", read_from=())
       except Exception:  # pylint: disable=broad-except  (the failure itself is the news)
         logging.exception("[jaxline_ng] Could not leave a verdict on step %d:", step)
 
@@ -341,16 +329,13 @@ class PeerChecks:
     """Starts answering the chief's saves with this process's verdicts (non-chief processes)."""
 
     def serve():
-      index = 0
-      while True:
-        step = agreement.key_value_wait(agreement.run_key(_SAVE_KEY.format(index)),
-                                        give_up=self._closed.is_set)
-        if step is None:
+      for index in itertools.count():
+        announced = agreement.exchange(f"save/{index}", None, read_from=[0],
+                                       give_up=self._closed.is_set)
+        if announced is None:
           return
-        verdict = self._guard.verdict_through(int(step), give_up=self._closed.is_set)
-        agreement.key_value_set(
-            agreement.run_key(_VERDICT_KEY.format(index, jax.process_index())), verdict)
-        index += 1
+        verdict = self._guard.verdict_through(int(announced[0]), give_up=self._closed.is_set)
+        agreement.exchange(f"verdict/{index}", verdict, read_from=())
 
     self._answering = threading.Thread(target=serve, name="jaxline_ng_peer_checks", daemon=True)
     self._answering.start()

@@ -192,10 +192,6 @@ def _decode(x: Any) -> Any:
   return {_decode(k): _decode(v) for k, v in x["items"]}
 
 
-def _peer_key(step: int, process: int) -> str:
-  return agreement.run_key(f"iterator_positions/{step}/{process}")
-
-
 class PeerPositions:
   """A multi-process run's iterators: every process hands its positions to the chief's saves.
 
@@ -232,7 +228,7 @@ class PeerPositions:
       if name in self.names:
         position = capture(getattr(experiment, attr), f"experiment_module/{name}")
         states[name] = position.states[jax.process_index()]
-    agreement.key_value_set(_peer_key(step, jax.process_index()), json.dumps(states))
+    agreement.exchange(f"iterator_positions/{step}", json.dumps(states), read_from=())
 
 
 def gather(positions: dict[str, Position], step: int) -> dict[str, Position]:
@@ -244,12 +240,11 @@ def gather(positions: dict[str, Position], step: int) -> dict[str, Position]:
   for process in range(jax.process_count()):
     if process == jax.process_index():
       continue
-    published = agreement.key_value_wait(
-        _peer_key(step, process), give_up=lambda: agreement.published_failure() is not None)
+    published = agreement.exchange(f"iterator_positions/{step}", None, read_from=[process])
     if published is None:
       raise IteratorStateError(f"not saving step {step}: process {process} failed before "
                                "handing over its data positions")
-    states = json.loads(published)
+    states = json.loads(published[0])
     for name in positions:
       short = name.split("/", 1)[-1]
       if short not in states:

@@ -35,13 +35,9 @@ from jaxline_ng.agreement import (
     barrier,
     begin_run,
     check_same_as_chief,
-    every_process_value,
-    key_value_set,
-    key_value_try_get,
-    key_value_wait,
+    exchange,
     publish_failure,
     rendezvous,
-    run_key,
 )
 from jaxline_ng.distributed import (
     MultihostError,
@@ -186,8 +182,7 @@ def all_reduce_sum(tree: Any) -> Any:
 
 __all__ = [
     "CollectiveThreadError", "MultihostError", "all_reduce_sum", "barrier", "begin_run",
-    "broadcast_from_chief", "check_same_as_chief", "every_process_value", "global_batch",
+    "broadcast_from_chief", "check_same_as_chief", "exchange", "global_batch",
     "global_batch_from_every_row", "host_slice", "initialize_if_requested", "is_chief",
-    "is_multiprocess", "key_value_set", "key_value_try_get", "key_value_wait",
-    "own_collectives", "publish_failure", "rendezvous", "run_key",
+    "is_multiprocess", "own_collectives", "publish_failure", "rendezvous",
 ]

@@ -379,8 +379,10 @@ def _check_and_run(experiment_class, config, mode: str, checkpointer_factory) ->
     raise base_config.ConfigError(
         "--jaxline_disable_pmap_jit runs pmap as a vmap over this process's devices alone, "
         "so several processes would train apart: debug with one process")
-  # JAX takes process 0's count when others give another: a wrong count is named too.
-  agreement.check_same_launch({
+  # Processes launched differently would wait on each other's steps and
+  # collectives until a runtime timeout naming nothing. JAX takes process 0's
+  # count when others give another: a wrong count is named too.
+  agreement.check_same_as_chief("was launched", lambda: {
       "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
       "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
       # Collectives over other dtypes abort; other keys make replicas differ.
@@ -389,7 +391,8 @@ def _check_and_run(experiment_class, config, mode: str, checkpointer_factory) ->
       # Hosts may mount one checkpoint_dir at different paths: whether theirs
       # is one directory is checked by its lock (`_check_checkpoint_dir_is_shared`).
       **{f"config.{key}": value for key, value in run_record.flat_config(config).items()
-         if key != "checkpoint_dir"}})
+         if key != "checkpoint_dir"}},
+      "every process of a run takes the same mode and config")
   check_tpu_flags()
   persistent_cache.enable_compilation_cache(config)
   config_loading.warn_if_eval_dir_differs(config)

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -200,7 +201,7 @@ def test_host_slice_takes_this_process_share(monkeypatch):
     multihost.host_slice(np.arange(3))
 
 
-def test_waiting_for_a_key_polls_and_never_lets_a_blocking_read_time_out(monkeypatch):
+def test_an_exchange_polls_and_never_lets_a_blocking_read_time_out(monkeypatch):
   # JAX's blocking read leaks ~30 KB of native memory each time it times out
   # (the peer-failure watcher renews one for a whole run); a missing key's
   # read leaks nothing.
@@ -210,17 +211,17 @@ def test_waiting_for_a_key_polls_and_never_lets_a_blocking_read_time_out(monkeyp
 
     def key_value_try_get(self, key):
       self.reads += 1
-      if self.reads < 5:
-        raise RuntimeError(f"NOT_FOUND: {key}")
-      return "written"
+      if key.endswith("/k/0") and self.reads >= 5:
+        return "written"
+      raise RuntimeError(f"NOT_FOUND: {key}")
 
     def blocking_key_value_get(self, key, timeout_ms):
       raise AssertionError("a blocking read that times out leaks")
 
   store = Store()
   monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
-  assert multihost.key_value_wait("k", give_up=lambda: False) == "written"
-  assert multihost.key_value_wait("k", give_up=lambda: True) is None
+  assert multihost.exchange("k", None, read_from=[0]) == ["written"]
+  assert store.reads >= 5
 
 
 class DictStore:
@@ -260,6 +261,49 @@ def test_a_peers_exception_after_a_step_does_not_veto_the_chiefs_save_of_it(monk
   chief.before_save(10)()
   with pytest.raises(guards.PeerFailedError, match="process 1: RuntimeError: fails at step 12"):
     chief.before_save(12)()
+
+
+def test_an_exchange_gives_up_on_a_published_failure_or_its_predicate(monkeypatch):
+  # A peer that died never publishes its value: the wait for it ends on the
+  # failure it published, or on the caller's own reason (a closed answerer).
+  store = DictStore()
+  monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
+  monkeypatch.setattr(agreement, "_ending", type(agreement._ending)())  # pylint: disable=protected-access
+  monkeypatch.setattr(agreement.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 0)
+  started = time.monotonic()
+  assert multihost.exchange("answer", "mine", give_up=lambda: time.monotonic() > started + 0.3) \
+      is None
+  assert multihost.exchange("answer", None, read_from=[0], give_up=lambda: True) == ["mine"]
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 1)
+  multihost.publish_failure("RuntimeError: died", 1)
+  assert multihost.exchange("never", None, read_from=[0]) is None
+  # A value published before the failure is still read.
+  assert multihost.exchange("answer", "theirs") == ["mine", "theirs"]
+
+
+def test_an_eval_process_waiting_for_the_chiefs_choice_ends_on_a_published_failure(monkeypatch):
+  # The chief of an eval job failed before choosing: the wait for its choice
+  # ends with the chief's exit code instead of polling until the watcher does.
+  from jaxline_ng import evaluation  # pylint: disable=import-outside-toplevel
+  store = DictStore()
+  monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
+  monkeypatch.setattr(agreement, "_ending", type(agreement._ending)())  # pylint: disable=protected-access
+  monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 0)
+  multihost.publish_failure("OSError: disk gone", 3)
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 1)
+  monkeypatch.setattr(evaluation.preemption, "stop_requested", lambda: False)
+  exits = []
+
+  def exit_for_peer(failure):
+    exits.append(failure)
+    raise SystemExit(int(failure.split()[1]))
+
+  monkeypatch.setattr(agreement, "exit_for_peer", exit_for_peer)
+  with pytest.raises(SystemExit):
+    evaluation._agreed(0, choose=lambda: ("stop", None))  # pylint: disable=protected-access
+  assert exits == ["0 3 OSError: disk gone"]
 
 
 def test_a_checkpoint_dir_on_storage_not_shared_is_one_line_naming_it(monkeypatch, tmp_path):
@@ -331,19 +375,24 @@ def test_a_difference_from_a_chief_that_has_failed_since_exits_on_the_chiefs_fai
   # process 1 then saw no lock, and named that instead of the config error.
   monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
   monkeypatch.setattr(distributed, "is_chief", lambda: False)
-  monkeypatch.setattr(agreement, "key_value_wait",
-                      lambda key, give_up: json.dumps({"lock": "process 7 on host h"}))
-  monkeypatch.setattr(agreement, "published_failure", lambda: "0 1 config.x=1 is wrong")
+  store = DictStore()
+  monkeypatch.setattr(agreement, "_key_value_store", lambda: store)
+  monkeypatch.setattr(agreement, "_ending", type(agreement._ending)())  # pylint: disable=protected-access
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 0)
+  agreement.exchange("as_chief/sees_config.checkpoint_dir",
+                     json.dumps({"lock": "process 7 on host h"}), read_from=())
+  multihost.publish_failure("config.x=1 is wrong", 1)
+  monkeypatch.setattr(agreement.jax, "process_index", lambda: 1)
   exits = []
 
-  def exit_for_peer(process, exit_code, message):
-    exits.append((process, exit_code, message))
-    raise SystemExit(exit_code)
+  def exit_for_peer(failure):
+    exits.append(failure)
+    raise SystemExit(int(failure.split()[1]))
 
-  monkeypatch.setattr(agreement, "_exit_for_peer", exit_for_peer)
+  monkeypatch.setattr(agreement, "exit_for_peer", exit_for_peer)
   with pytest.raises(SystemExit):
     multihost.check_same_as_chief("sees config.checkpoint_dir", lambda: {"lock": None}, "why")
-  assert exits == [(0, 1, "config.x=1 is wrong")]
+  assert exits == ["0 1 config.x=1 is wrong"]
 
 
 def test_mesh_saves_timed_in_seconds_are_refused_at_once_naming_the_key(tmp_path):
