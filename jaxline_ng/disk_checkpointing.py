@@ -212,7 +212,7 @@ class DiskCheckpointer:
       if ckpt_series != "latest":  # A best step an earlier evaluator saved (another metric's).
         logging.warning("[jaxline_ng] %s/%d is saved already: kept as it is.", ckpt_series, step)
       return
-    tree, entries, arrays = encode(checkpointing.device_snapshot(state))
+    tree, entries, arrays = encode(checkpointing.device_snapshot(state, fresh=False))
     fingerprints = dispatch_fingerprints([array for _, array in arrays])
     if validate is not None:
       try:
