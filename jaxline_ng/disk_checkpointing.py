@@ -5,11 +5,11 @@ lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
 `max_checkpoints_to_keep` kept; a step directory's items are described in
 `checkpoint_format`, reading one back in `checkpoint_restore`.
 
-Saving takes fresh on-device copies of the state on the calling thread (so
-donation and later steps cannot change them) and dispatches each array's
-checksum there; the non-finite guard's check runs there too (it may veto
-the save, so nothing invalid is ever written), then orbax's asynchronous
-save copies the arrays to the host and writes them on its own thread. In
+Saving dispatches each array's checksum on the calling thread; the
+non-finite guard's check runs there too (it may veto the save, so nothing
+invalid is ever written), then orbax's asynchronous save copies the live
+arrays to the host before it returns (so donation and later steps cannot
+change what it writes) and writes them, uncompressed, on its own thread. In
 mesh mode every process writes the shards it holds, its barriers going
 through the distributed runtime's key-value store (never a device
 collective off the training thread). Orbax writes into a temporary
@@ -202,10 +202,9 @@ class DiskCheckpointer:
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Saves the live state as a step of `ckpt_series`, with orbax's asynchronous save.
 
-    On the calling thread: fresh device copies of the state and their
-    checksums are dispatched, `validate` runs (the non-finite guard; if it
-    raises, nothing is saved), and orbax copies the arrays to the host; orbax
-    writes them on its own thread. The next save and
+    On the calling thread: the arrays' checksums are dispatched, `validate`
+    runs (the non-finite guard; if it raises, nothing is saved), and orbax
+    copies the live arrays to the host; orbax writes them on its own thread. The next save and
     `wait_for_checkpointing_to_finish` wait for that write. A failed save
     fails the checkpointer for good: every later save and wait raises its error.
     """
