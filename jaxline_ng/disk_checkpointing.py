@@ -85,7 +85,6 @@ def _drop_orbax_info(record: python_logging.LogRecord) -> bool:
       f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
-
 class _CheckpointManager(ocp.CheckpointManager):
   """orbax's manager, kept from asking JAX's preemption sync point.
 
@@ -186,8 +185,7 @@ class DiskCheckpointer:
             cleanup_tmp_directories=True,
             create=False,
             multiprocessing_options=processes)
-        # Uncompressed: zstd costs a save and a restore more CPU time than
-        # its ~10% on trained float weights saves of disk.
+        # Uncompressed: zstd spends more CPU per save and restore than its disk saving is worth.
         handlers = {META_ITEM: ocp.JsonCheckpointHandler(multiprocessing_options=processes),
                     STATE_ITEM: ocp.PyTreeCheckpointHandler(
                         use_compression=False, multiprocessing_options=processes)}
