@@ -132,7 +132,7 @@ class Checkpointer(Protocol):
     """Blocks until every save started so far is complete."""
 
 
-def device_snapshot(state) -> dict[str, Any]:
+def device_snapshot(state, fresh: bool = True) -> dict[str, Any]:
   """What a checkpoint of `state` holds, in fresh device buffers (dispatched, not waited for).
 
   The experiment's part is its `snapshot_state()`, which makes fresh
@@ -140,14 +140,17 @@ def device_snapshot(state) -> dict[str, Any]:
   may then donate or replace the live arrays without touching the snapshot,
   and taking it does not wait for the devices. The loop's
   own entries (the step, the chain key) are replaced each step, never
-  donated, so they are kept as they are.
+  donated, so they are kept as they are. Without `fresh`, arrays may be the
+  live ones: for a saver that copies them before training goes on.
   """
   nest = snapshotted_items(state)
   module = getattr(state, "experiment_module", None)
   if module is not None:
-    snapshot = module.snapshot_state()
     if type(module).snapshot_state is not experiment_lib.AbstractExperiment.snapshot_state:
-      snapshot = devices.fresh_copies(snapshot)
+      snapshot = module.snapshot_state()
+      snapshot = devices.fresh_copies(snapshot) if fresh else snapshot
+    else:
+      snapshot = experiment_lib.checkpointed_values(module, fresh)
     nest["experiment_module"] = dict(snapshot)
   return nest
 

@@ -5,11 +5,11 @@ lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
 `max_checkpoints_to_keep` kept; a step directory's items are described in
 `checkpoint_format`, reading one back in `checkpoint_restore`.
 
-Saving takes fresh on-device copies of the state on the calling thread (so
-donation and later steps cannot change them) and dispatches each array's
-checksum there; the non-finite guard's check runs there too (it may veto
-the save, so nothing invalid is ever written), then orbax's asynchronous
-save copies the arrays to the host and writes them on its own thread. In
+Saving dispatches each array's checksum on the calling thread; the
+non-finite guard's check runs there too (it may veto the save, so nothing
+invalid is ever written), then orbax's asynchronous save copies the live
+arrays to the host before it returns (so donation and later steps cannot
+change what it writes) and writes them, uncompressed, on its own thread. In
 mesh mode every process writes the shards it holds, its barriers going
 through the distributed runtime's key-value store (never a device
 collective off the training thread). Orbax writes into a temporary
@@ -83,7 +83,6 @@ def _drop_orbax_info(record: python_logging.LogRecord) -> bool:
   and jaxline_ng logs each save in one line. Orbax's warnings pass."""
   return record.levelno >= python_logging.WARNING or \
       f"{os.sep}orbax{os.sep}" not in record.pathname
-
 
 
 class _CheckpointManager(ocp.CheckpointManager):
@@ -186,8 +185,12 @@ class DiskCheckpointer:
             cleanup_tmp_directories=True,
             create=False,
             multiprocessing_options=processes)
+        # Uncompressed: zstd spends more CPU per save and restore than its disk saving is worth.
+        handlers = {META_ITEM: ocp.JsonCheckpointHandler(multiprocessing_options=processes),
+                    STATE_ITEM: ocp.PyTreeCheckpointHandler(
+                        use_compression=False, multiprocessing_options=processes)}
         self._managers[ckpt_series] = _CheckpointManager(
-            self._series_dir(ckpt_series), options=options)
+            self._series_dir(ckpt_series), options=options, item_handlers=handlers)
       return self._managers[ckpt_series]
 
   def get_experiment_state(self, ckpt_series: str) -> checkpointing.ExperimentState:
@@ -197,10 +200,9 @@ class DiskCheckpointer:
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Saves the live state as a step of `ckpt_series`, with orbax's asynchronous save.
 
-    On the calling thread: fresh device copies of the state and their
-    checksums are dispatched, `validate` runs (the non-finite guard; if it
-    raises, nothing is saved), and orbax copies the arrays to the host; orbax
-    writes them on its own thread. The next save and
+    On the calling thread: the arrays' checksums are dispatched, `validate`
+    runs (the non-finite guard; if it raises, nothing is saved), and orbax
+    copies the live arrays to the host; orbax writes them on its own thread. The next save and
     `wait_for_checkpointing_to_finish` wait for that write. A failed save
     fails the checkpointer for good: every later save and wait raises its error.
     """
@@ -212,7 +214,7 @@ class DiskCheckpointer:
       if ckpt_series != "latest":  # A best step an earlier evaluator saved (another metric's).
         logging.warning("[jaxline_ng] %s/%d is saved already: kept as it is.", ckpt_series, step)
       return
-    tree, entries, arrays = encode(checkpointing.device_snapshot(state))
+    tree, entries, arrays = encode(checkpointing.device_snapshot(state, fresh=False))
     fingerprints = dispatch_fingerprints([array for _, array in arrays])
     if validate is not None:
       try:
@@ -235,7 +237,7 @@ class DiskCheckpointer:
     meta["digest"] = digest(meta)
     items = {META_ITEM: ocp.args.JsonSave(meta)}
     if tree:
-      items[STATE_ITEM] = ocp.args.StandardSave(_as_orbax_takes_them(tree))
+      items[STATE_ITEM] = ocp.args.PyTreeSave(_as_orbax_takes_them(tree))
     series_dir = self._series_dir(ckpt_series)
     self._unlink_links_rotated_out(series_dir, step)
     with self._lock:

@@ -123,30 +123,7 @@ class AbstractExperiment(abc.ABC):
     NON_BROADCAST_CHECKPOINT_ATTRS' device arrays are copied), so the caller
     may keep them while training donates the live ones.
     """
-    attrs, non_broadcast_attrs = checkpoint_attrs(self)
-    if not attrs and not non_broadcast_attrs and not _overrides_snapshot(self):
-      # Once: saves every few steps would repeat it.
-      logging.log_first_n(
-          logging.WARNING, "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
-          "checkpoints will hold no experiment state.", 1, type(self).__name__)
-    one_copy = devices.get_first if mesh_lib.active_mesh() is None else devices.fresh_copies
-    # Iterators that report their position are saved as it, per process.
-    positions = {name: iterator_state.capture(getattr(self, attr), f"experiment_module/{name}")
-                 for attr, name in {**attrs, **non_broadcast_attrs}.items()
-                 if iterator_state.kind_of(getattr(self, attr, None)) is not None}
-    try:
-      snapshot = dict(one_copy({name: getattr(self, attr) for attr, name in attrs.items()
-                                if name not in positions}))
-      for attr, name in non_broadcast_attrs.items():
-        if name not in positions:
-          snapshot[name] = devices.fresh_copies(getattr(self, attr))
-    except (AttributeError, TypeError, IndexError, ValueError):
-      problem = checkpoint_attrs_problem(self)  # Looked for only now: saves are frequent.
-      if problem:
-        raise CheckpointAttrsError(problem) from None
-      raise
-    snapshot.update(positions)
-    return snapshot
+    return checkpointed_values(self, fresh=True)
 
   def restore_from_snapshot(self, snapshot_state: Mapping[str, Any]) -> None:
     """Sets checkpointed attributes from a snapshot.
@@ -186,6 +163,45 @@ def checkpoint_attrs(experiment) -> tuple[Mapping[str, str], Mapping[str, str]]:
   """
   return (getattr(experiment, "CHECKPOINT_ATTRS", None) or {},
           getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})
+
+
+def checkpointed_values(experiment, fresh: bool) -> dict[str, Any]:
+  """`AbstractExperiment.snapshot_state` of `experiment`.
+
+  Args:
+    experiment: the experiment.
+    fresh: copy device arrays into new buffers. Without, mesh-mode arrays are
+      the live ones: for a saver that copies them before training goes on
+      (orbax's save), a second copy would only double the memory a save takes.
+
+  Returns:
+    The snapshot, keyed by checkpoint name.
+  """
+  attrs, non_broadcast_attrs = checkpoint_attrs(experiment)
+  if not attrs and not non_broadcast_attrs and not _overrides_snapshot(experiment):
+    # Once: saves every few steps would repeat it.
+    logging.log_first_n(
+        logging.WARNING, "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
+        "checkpoints will hold no experiment state.", 1, type(experiment).__name__)
+  copies = devices.fresh_copies if fresh else (lambda tree: tree)
+  one_copy = devices.get_first if mesh_lib.active_mesh() is None else copies
+  # Iterators that report their position are saved as it, per process.
+  positions = {name: iterator_state.capture(getattr(experiment, attr), f"experiment_module/{name}")
+               for attr, name in {**attrs, **non_broadcast_attrs}.items()
+               if iterator_state.kind_of(getattr(experiment, attr, None)) is not None}
+  try:
+    snapshot = dict(one_copy({name: getattr(experiment, attr) for attr, name in attrs.items()
+                              if name not in positions}))
+    for attr, name in non_broadcast_attrs.items():
+      if name not in positions:
+        snapshot[name] = copies(getattr(experiment, attr))
+  except (AttributeError, TypeError, IndexError, ValueError):
+    problem = checkpoint_attrs_problem(experiment)  # Looked for only now: saves are frequent.
+    if problem:
+      raise CheckpointAttrsError(problem) from None
+    raise
+  snapshot.update(positions)
+  return snapshot
 
 
 class CheckpointAttrsError(AttributeError):
