@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import base_config, devices, iterator_state
+from jaxline_ng import base_config, devices, errors, iterator_state
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng.checkpoint_skeleton import PLAIN_VALUES, skeleton_of
 
@@ -40,9 +40,8 @@ STATE_ATTRS = frozenset(("global_step", "train_step_rng", "periodic_action_times
 DROP_EXTRA_KEY = "drop_extra_checkpoint_entries"
 
 
-class CheckpointFormatError(TypeError):
+class CheckpointFormatError(TypeError, errors.OneLineError):
   """A snapshot value that cannot be stored without pickle; names the entry."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 class UnusableCheckpoint(ValueError):

@@ -30,6 +30,7 @@ from jaxline_ng import (
   config_loading,
   debugging,
   distributed,
+  errors,
   launch,
   persistent_cache,
   preemption,
@@ -353,8 +354,8 @@ def main(experiment_class, argv: Sequence[str],
     raise SystemExit(preemption.exit_code()) from None
   except Exception as e:  # pylint: disable=broad-except
     # Errors whose message says it all (bad input, a non-finite scalar, a
-    # full disk) mark themselves `one_line`; anything else keeps its traceback.
-    one_line = getattr(e, "one_line", False)
+    # full disk) are OneLineErrors; anything else keeps its traceback.
+    one_line = isinstance(e, errors.OneLineError)
     if distributed.is_multiprocess():
       if one_line:
         print(f"jaxline_ng: error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from jaxline_ng import (
   base_config,
   checkpointing,
   debugging,
+  errors,
   guards,
   iterator_state,
   loop_actions,
@@ -41,10 +42,9 @@ from jaxline_ng.evaluation import evaluate
 MULTITHREADED_EVAL_POLL_SECS = 0.2
 
 
-class StepExitError(RuntimeError):
+class StepExitError(RuntimeError, errors.OneLineError):
   """`sys.exit()` was called inside the training loop (by `step` or a library it
   calls): a failure, not a finished run, which exit code 0 would report."""
-  one_line = True
 
 
 @debugging.disable_pmap_jit  # As jaxline's: for callers other than platform.main.

@@ -17,7 +17,7 @@ from absl import flags
 from absl.testing import flagsaver
 from helpers import ENV, EXPERIMENTS, ROOT, TOY, read_jsonl, toy_command, toy_experiment
 
-from jaxline_ng import disk_checkpointing, platform, utils
+from jaxline_ng import base_config, disk_checkpointing, errors, platform, utils
 
 
 def run(*args, script=TOY, timeout=120, unset=()):
@@ -344,3 +344,36 @@ def test_check_mode_takes_the_modes_and_an_eval_job_with_a_name(mode, runs):
   else:
     with pytest.raises(ValueError, match=f"--jaxline_mode={mode!r} is not a mode"):
       platform.check_mode(mode)
+
+
+def test_an_error_deriving_from_one_line_error_is_reported_in_one_line(tmp_path, capsys):
+  """The platform reports in one line what derives from errors.OneLineError, an
+  experiment's own error too; any other error keeps its traceback."""
+  toy = toy_experiment()
+
+  class MissingDataError(errors.OneLineError):
+    pass
+
+  class RaisesInInit(toy.Experiment):
+    def __init__(self, mode, init_rng, config):
+      raise MissingDataError("config.experiment_kwargs.config.data='/nowhere' holds no data")
+
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    with pytest.raises(SystemExit) as exited:
+      platform.main(RaisesInInit, [])
+  assert str(exited.value.code) == (
+      "jaxline_ng: error: config.experiment_kwargs.config.data='/nowhere' holds no data")
+
+
+def test_a_config_error_is_still_a_value_error():
+  """Code written for jaxline catches bad config as ValueError."""
+  config = base_config.get_base_config()
+  config.interval_type = "hours"
+  try:
+    base_config.validate_config(config)
+  except ValueError as e:
+    assert isinstance(e, errors.OneLineError)
+  else:
+    raise AssertionError("a bad config was not refused")
