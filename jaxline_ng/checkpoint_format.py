@@ -31,7 +31,7 @@ from jaxline_ng.checkpoint_skeleton import PLAIN_VALUES, skeleton_of
 FORMAT = 2
 STATE_ITEM, META_ITEM = "state", "meta"
 META_KEYS = frozenset(("format", "step", "topology", "entries", "arrays", "digest"))
-# Attributes the loops keep on an ExperimentState besides the experiment's own.
+# Attributes the loops keep on the state besides the experiment's own.
 STATE_ATTRS = frozenset(("global_step", "train_step_rng", "periodic_action_times", "run_config",
                           "best_eval_metric_value", "best_model_eval_metric"))
 

@@ -6,6 +6,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -726,7 +727,7 @@ class RacingCheckpointer:
   RESTORED_STEPS = [2, 2, 3]
 
   def __init__(self):
-    self._state = checkpointing.ExperimentState()
+    self._state = ml_collections.ConfigDict()
     self._polls = 0
 
   def get_experiment_state(self, ckpt_series):
