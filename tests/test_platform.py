@@ -377,3 +377,47 @@ def test_a_config_error_is_still_a_value_error():
     assert isinstance(e, errors.OneLineError)
   else:
     raise AssertionError("a bad config was not refused")
+
+
+def test_a_jaxline_style_checkpointer_factory_runs_train_and_eval(tmp_path):
+  """A checkpointer class written for jaxline (its methods, no base class) goes
+  through the platform as in jaxline: its own methods are called, its state is
+  what `step`'s loop sets, and the eval job evaluates what it restores."""
+  toy = toy_experiment()
+  saves = []
+
+  class KeepsTheLastSave:
+    def __init__(self, config, mode):
+      del config, mode
+      self._states = {}
+
+    def get_experiment_state(self, series):
+      return self._states.setdefault(series, ml_collections.ConfigDict())
+
+    def save(self, series):
+      saves.append((series, self._states[series].global_step))
+
+    def can_be_restored(self, series):
+      return bool(saves) and series == "latest"
+
+    def restore(self, series):
+      self._states[series].global_step = saves[-1][1]
+
+    def restore_path(self, series):
+      return len(saves) if self.can_be_restored(series) else None
+
+    def wait_for_checkpointing_to_finish(self):
+      pass
+
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.training_steps = 4
+  config.save_checkpoint_interval = 2
+  config.checkpoint_interval_type = "steps"
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    platform.main(toy.Experiment, [], checkpointer_factory=KeepsTheLastSave)
+  assert saves == [("latest", 2), ("latest", 4)]
+  config.one_off_evaluate = True
+  with flagsaver.flagsaver(config=config, jaxline_mode="eval"):
+    platform.main(toy.Experiment, [], checkpointer_factory=KeepsTheLastSave)
+  assert [row["step"] for row in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [4]
