@@ -60,6 +60,13 @@ def evaluate(experiment_class, config, checkpointer, writer,
   """
   base_config.add_keys_beyond_jaxline(config)
   checkpointer = checkpointing.adapt(checkpointer)
+  if (multihost.is_multiprocess() and checkpointer.every_process_saves
+      and not checkpointer.restores_by_path):
+    # The processes read each checkpoint together: each choosing its own, they would wait.
+    raise base_config.ConfigError(
+        f"{checkpointer.class_name} overrides restore but does not declare restores_by_path: "
+        "the processes of this run restore each checkpoint together, the one the chief "
+        "chooses (restore(series, path=...)); declare restores_by_path = True in the class")
   if jaxline_mode is None:
     from absl import flags  # Only the command-line path reads the flag.
     jaxline_mode = flags.FLAGS.jaxline_mode

@@ -1,6 +1,7 @@
 """In-memory checkpoints: both published snapshot layouts, rebinding, and restore."""
 
 import threading
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -334,3 +335,22 @@ def test_a_jaxline_style_checkpointer_is_adapted_once_with_no_capability():
 def test_the_run_state_is_a_configdict_as_jaxlines():
   state = utils.InMemoryCheckpointer(config_for(1), "train").get_experiment_state("latest")
   assert isinstance(state, ml_collections.ConfigDict) and not state.is_locked
+
+
+def test_an_eval_job_over_processes_refuses_a_restore_that_cannot_follow_the_chief(tmp_path):
+  """Where every process reads each checkpoint together, an override of `restore`
+  that does not declare `restores_by_path` would have each choose its own and wait."""
+  from jaxline_ng import disk_checkpointing, multihost  # pylint: disable=import-outside-toplevel
+
+  class LogsRestores(disk_checkpointing.DiskCheckpointer):
+    def restore(self, ckpt_series, path=None):
+      super().restore(ckpt_series, path=path)
+
+  config = config_for(2)
+  config.checkpoint_dir = str(tmp_path)
+  checkpointer = LogsRestores(config, "eval")
+  checkpointer.every_process_saves = True  # As in a mesh run over several processes.
+  with mock.patch.object(multihost, "is_multiprocess", return_value=True), \
+      pytest.raises(base_config.ConfigError, match=r"^LogsRestores overrides restore .*"
+                    r"declare restores_by_path = True"):
+    train.evaluate(Params, config, checkpointer, None, jaxline_mode="eval")
