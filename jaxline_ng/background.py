@@ -19,6 +19,8 @@ from typing import Any
 
 from absl import logging
 
+from jaxline_ng.errors import OneLineError
+
 # How often a caller waiting on the thread checks that it still runs: what
 # was queued after `close` (a race with it) is never answered.
 _LIVENESS_POLL_SECONDS = 1.0
@@ -178,7 +180,7 @@ def _run(name: str, errors: list[BaseException], future: concurrent.futures.Futu
     future.set_result(fn(*args, **kwargs))
   except BaseException as e:
     errors.append(e)
-    if getattr(e, "one_line", False):  # Its message says it all (a full disk, bad input).
+    if isinstance(e, OneLineError):  # Its message says it all (a full disk, bad input).
       logging.error("[jaxline_ng] Error in background thread %s: %s", name, e)
     else:
       logging.exception("[jaxline_ng] Error in background thread %s.", name)

@@ -12,6 +12,8 @@ import ml_collections
 from absl import logging
 from ml_collections import config_dict
 
+from jaxline_ng import errors
+
 INTERVAL_TYPES = ("secs", "steps")
 CHECKPOINTERS = ("memory", "disk")
 
@@ -109,9 +111,8 @@ KEYS_BEYOND_JAXLINE = (
     "drop_extra_checkpoint_entries", "placement", "mesh_shape")
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, errors.OneLineError):
   """A config that cannot run; the message names the key and the value."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def validate_keys(base_cfg: ml_collections.ConfigDict, config: ml_collections.ConfigDict,

@@ -18,7 +18,7 @@ from jaxline_ng import base_config, checkpointing
 class BestTracker:
   """Saves the `best` series when the eval metric strictly improves."""
 
-  def __init__(self, config, checkpointer, experiment):
+  def __init__(self, config, checkpointer: checkpointing.Checkpointer, experiment):
     self._metric = config.best_model_eval_metric
     self._higher_is_better = config.best_model_eval_metric_higher_is_better
     self._checkpointer = checkpointer
@@ -30,8 +30,8 @@ class BestTracker:
     self._worst = -math.inf if self._higher_is_better else math.inf
     self._state.best_eval_metric_value = self._worst
     self._state.best_model_eval_metric = self._metric
-    ours = checkpointing.is_ours(checkpointer, "restore")
-    self._state.experiment_module = None if ours else experiment
+    self._state.experiment_module = (None if checkpointer.restores_saved_entries
+                                     else experiment)
     self._restored_step = None
     if checkpointer.can_be_restored("best"):
       checkpointer.restore("best")
@@ -54,21 +54,19 @@ class BestTracker:
     """Before the first evaluation, of `step`: a best saved past it is an
     earlier run's (a run restarted afresh), which this run's must not have to
     beat, nor mix with in one series. Set aside, as its metric rows are,
-    where the checkpointer can (`set_aside`); else kept, to be beaten."""
+    where the checkpointer can (`Checkpointer.set_aside`); else kept, to be beaten."""
     if self._restored_step is None or self._restored_step <= step:
       return
-    set_aside = getattr(self._checkpointer, "set_aside", None)
     past = (f"The best checkpoint ({self._metric}={self._state.best_eval_metric_value} at step "
             f"{self._restored_step}) is past step {step}, evaluated first")
     self._restored_step = None
     # A checkpointer of the user's may hold one best only: starting afresh
     # would overwrite a better one.
-    if set_aside is None:
+    if not self._checkpointer.set_aside("best"):
       logging.warning("[jaxline_ng] %s: kept, so this run's best must beat it.", past)
       return
     logging.warning("[jaxline_ng] %s: an earlier run's, set aside. This run's best starts "
                     "afresh.", past)
-    set_aside("best")
     self._state.best_eval_metric_value = self._worst
 
   def update(self, evaluated, scalars: Mapping[str, Any]) -> None:

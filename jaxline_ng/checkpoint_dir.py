@@ -8,12 +8,11 @@ import errno
 import os
 import re
 
-from jaxline_ng import base_config
+from jaxline_ng import base_config, errors
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(OSError, errors.OneLineError):
   """The filesystem refused a save (full, read-only, gone); names the directory."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 # How TensorStore, which writes orbax's arrays, names the OS error behind a

@@ -24,14 +24,14 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import base_config, devices, iterator_state
+from jaxline_ng import base_config, devices, errors, iterator_state
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng.checkpoint_skeleton import PLAIN_VALUES, skeleton_of
 
 FORMAT = 2
 STATE_ITEM, META_ITEM = "state", "meta"
 META_KEYS = frozenset(("format", "step", "topology", "entries", "arrays", "digest"))
-# Attributes the loops keep on an ExperimentState besides the experiment's own.
+# Attributes the loops keep on the state besides the experiment's own.
 STATE_ATTRS = frozenset(("global_step", "train_step_rng", "periodic_action_times", "run_config",
                           "best_eval_metric_value", "best_model_eval_metric"))
 
@@ -40,9 +40,8 @@ STATE_ATTRS = frozenset(("global_step", "train_step_rng", "periodic_action_times
 DROP_EXTRA_KEY = "drop_extra_checkpoint_entries"
 
 
-class CheckpointFormatError(TypeError):
+class CheckpointFormatError(TypeError, errors.OneLineError):
   """A snapshot value that cannot be stored without pickle; names the entry."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 class UnusableCheckpoint(ValueError):

@@ -1,9 +1,12 @@
-"""The Checkpointer protocol, the training state it saves, and in-memory series.
+"""The Checkpointer base class, the training state it saves, and in-memory series.
 
-A checkpointer keeps named series (`latest`, `best`) of snapshots of an
-`ExperimentState`. The loops mutate the state a checkpointer hands out with
-`get_experiment_state(series)` and call `save`/`restore` on the series name;
-the checkpointer decides where snapshots live.
+A checkpointer keeps named series (`latest`, `best`) of snapshots of a run's
+state: an unlocked `ml_collections.ConfigDict`, as jaxline's, with
+`global_step` (int, steps completed), `train_step_rng` (the chain key) and
+`experiment_module` (the experiment); on the `best` series also
+`best_eval_metric_value`. The loops set the state a checkpointer hands out
+with `get_experiment_state(series)` and call `save`/`restore` on the series
+name; the checkpointer decides where snapshots live.
 
 `InMemoryCheckpointer` keeps jaxline's layout in `GLOBAL_CHECKPOINT_DICT`:
 `{series: CheckpointNT(active=threading.local(), history=[SnapshotNT(id,
@@ -20,8 +23,8 @@ rebinds it here.
 import collections
 import os
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -45,91 +48,151 @@ class CheckpointSuperseded(Exception):
   goes on to the newer one."""
 
 
-class ExperimentState:
-  """What a checkpoint series holds for a run: attributes set by the loops.
-
-  `global_step` (int, steps completed), `train_step_rng` (the chain key),
-  `experiment_module` (the experiment); on the `best` series also
-  `best_eval_metric_value`. Only attributes that were set exist, so a
-  snapshot holds exactly what the loops put there, as jaxline's ConfigDict
-  state did. Code written for jaxline reads, sets and prints it as that
-  ConfigDict (`state[name] = value` in jaxline's restore, `print(best_state)`
-  in `on_new_best_model`), so those work as there. It is no `ConfigDict`
-  (no `lock`): the loops set it every step, which a ConfigDict's checks slow.
-  """
-
-  def __contains__(self, name: str) -> bool:
-    return name in vars(self)
-
-  def __getitem__(self, name: str) -> Any:
-    try:
-      return vars(self)[name]
-    except KeyError:
-      raise KeyError(f"the experiment state has no entry {name!r}; it has "
-                     f"{sorted(vars(self))}") from None
-
-  def __setitem__(self, name: str, value: Any) -> None:
-    setattr(self, name, value)
-
-  def get(self, name: str, default: Any = None) -> Any:
-    return vars(self).get(name, default)
-
-  def __iter__(self):
-    return iter(vars(self))
-
-  def __len__(self) -> int:
-    return len(vars(self))
-
-  def keys(self):
-    return vars(self).keys()
-
-  def values(self):
-    return vars(self).values()
-
-  def items(self):
-    return vars(self).items()
-
-  def update(self, *others, **entries) -> None:
-    """Sets the entries of each mapping in `others`, then `entries` (as ConfigDict's)."""
-    for other in (*others, entries):
-      for name, value in other.items():
-        setattr(self, name, value)
-
-  def to_dict(self) -> dict[str, Any]:
-    return dict(vars(self))
-
-  def __repr__(self) -> str:
-    # One `name: value` line per entry, sorted, as a ConfigDict prints.
-    return "\n".join(f"{name}: {value!r}" for name, value in sorted(vars(self).items()))
+def new_state() -> ml_collections.ConfigDict:
+  """An empty run state: an unlocked ConfigDict, as jaxline's. Not type-safe: a
+  restore written for jaxline may set a host copy over a device array."""
+  return ml_collections.ConfigDict(type_safe=False)
 
 
 def snapshotted_items(state) -> dict[str, Any]:
-  """The entries of `state` (an `ExperimentState` or a jaxline ConfigDict) a
-  checkpoint holds: all but the experiment, which is snapshotted through its
-  own `snapshot_state`."""
-  return {name: value for name, value in state.items() if name != "experiment_module"}
+  """The entries of `state` a checkpoint holds, a dict set on it as a dict: all
+  but the experiment, which is snapshotted through its own `snapshot_state`."""
+  return {name: value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+          for name, value in state.items() if name != "experiment_module"}
 
 
-class Checkpointer(Protocol):
-  """How the loops save and restore `ExperimentState`s by series name."""
+# The capabilities that describe each method: a subclass that overrides the
+# method loses them unless it declares them again (`Checkpointer.__init_subclass__`).
+_CAPABILITIES_OF = {
+    "get_experiment_state": ("keeps_run_entries",),
+    "save": ("keeps_run_entries", "validates_saves"),
+    "restore": ("keeps_run_entries", "restores_saved_entries", "restores_by_path",
+                "in_memory_only"),
+    "can_be_restored": ("in_memory_only",),
+    "restore_path": ("in_memory_only",),
+}
 
-  def get_experiment_state(self, ckpt_series: str) -> ExperimentState:
+
+class Checkpointer:
+  """How the loops save and restore a run's state by series name (`latest`, `best`).
+
+  jaxline's six methods, and the capabilities the loops use beyond them,
+  declared as class attributes whose defaults ask for nothing. A subclass
+  that overrides a method loses the capabilities that describe it unless it
+  declares them again in its own body: code written for jaxline subclasses
+  `utils.InMemoryCheckpointer` to save elsewhere too, and expects jaxline's
+  behaviour of it. Any other object with jaxline's methods is used through
+  `adapt`.
+  """
+
+  # `save(series, validate=fn)` dispatches its copies, then calls `fn`, which
+  # vetoes the save by raising (the non-finite guard waits meanwhile).
+  validates_saves: bool = False
+  # The `latest` state keeps jaxline_ng's entries beside jaxline's (the run's
+  # config, compared on resume, and when the last periodic save ran). Code
+  # written for jaxline expects jaxline's entries alone: it may lock its state,
+  # or save it with a library that refuses a string or a dict of tuples.
+  keeps_run_entries: bool = False
+  # `restore` loads the entries the checkpoint holds whatever the state holds,
+  # the experiment's only into a state holding one (jaxline's checkpointers
+  # restore the entries the state holds).
+  restores_saved_entries: bool = False
+  # Every process reads the checkpoints the chief saves (on storage they
+  # share), and `restore(series, path=p)` loads the one `restore_path` gave.
+  restores_by_path: bool = False
+  # Checkpoints live in this process's memory alone: a new process starts afresh.
+  in_memory_only: bool = False
+  # Every process takes part in each save (each writes its shards of arrays
+  # spanning several processes).
+  every_process_saves: bool = False
+  # The `restore_path` checkpoint a fresh training run started from, if any.
+  started_from: str | None = None
+  # Newer checkpoints than the one the last `restore` loaded, which it could not load.
+  unloadable_newer: Sequence[str] = ()
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    for method, capabilities in _CAPABILITIES_OF.items():
+      if method in vars(cls):
+        for capability in capabilities:
+          if capability not in vars(cls):
+            setattr(cls, capability, False)
+
+  def get_experiment_state(self, ckpt_series: str) -> ml_collections.ConfigDict:
     """The live state of `ckpt_series` (for the calling thread)."""
+    raise NotImplementedError
 
   def save(self, ckpt_series: str) -> None:
     """Snapshots the live state of `ckpt_series` as its newest checkpoint."""
+    raise NotImplementedError
 
   def can_be_restored(self, ckpt_series: str) -> bool:
     """Whether `ckpt_series` has a checkpoint."""
+    raise NotImplementedError
 
   def restore(self, ckpt_series: str) -> None:
     """Loads the newest checkpoint of `ckpt_series` into its live state."""
+    raise NotImplementedError
 
   def restore_path(self, ckpt_series: str) -> Any | None:
     """An id of the newest checkpoint (changes when a new one is saved), or None."""
+    raise NotImplementedError
 
   def wait_for_checkpointing_to_finish(self) -> None:
     """Blocks until every save started so far is complete."""
+    raise NotImplementedError
+
+  def set_aside(self, ckpt_series: str) -> bool:
+    """Moves `ckpt_series` aside (kept), so that it starts afresh.
+
+    Returns:
+      Whether it was: by default a series is kept, as one of the user's
+      checkpointer may hold the only copy.
+    """
+    del ckpt_series
+    return False
+
+  @property
+  def class_name(self) -> str:
+    """The name of the checkpointer's class, as messages name it to the user."""
+    return type(self).__name__
+
+
+class JaxlineCheckpointerAdapter(Checkpointer):
+  """A checkpointer written for jaxline (any object with its six methods, a
+  `mock.Mock()` too), used with no capability beyond them: each call goes to it."""
+
+  def __init__(self, checkpointer):
+    self.wrapped = checkpointer
+
+  def get_experiment_state(self, ckpt_series: str):
+    return self.wrapped.get_experiment_state(ckpt_series)
+
+  def save(self, ckpt_series: str) -> None:
+    self.wrapped.save(ckpt_series)
+
+  def can_be_restored(self, ckpt_series: str) -> bool:
+    return self.wrapped.can_be_restored(ckpt_series)
+
+  def restore(self, ckpt_series: str) -> None:
+    self.wrapped.restore(ckpt_series)
+
+  def restore_path(self, ckpt_series: str) -> Any | None:
+    return self.wrapped.restore_path(ckpt_series)
+
+  def wait_for_checkpointing_to_finish(self) -> None:
+    self.wrapped.wait_for_checkpointing_to_finish()
+
+  @property
+  def class_name(self) -> str:
+    return type(self.wrapped).__name__
+
+
+def adapt(checkpointer) -> Checkpointer:
+  """`checkpointer` as a `Checkpointer`: itself if it is one, else adapted."""
+  if isinstance(checkpointer, Checkpointer):
+    return checkpointer
+  return JaxlineCheckpointerAdapter(checkpointer)
 
 
 def device_snapshot(state, fresh: bool = True) -> dict[str, Any]:
@@ -155,7 +218,7 @@ def device_snapshot(state, fresh: bool = True) -> dict[str, Any]:
   return nest
 
 
-def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
+def restore_snapshot(state: ml_collections.ConfigDict, nest: dict[str, Any]) -> None:
   """Loads a snapshot (either jaxline layout) into `state`."""
   for name, value in nest.items():
     if name == "experiment_module":
@@ -178,16 +241,7 @@ def restore_snapshot(state: ExperimentState, nest: dict[str, Any]) -> None:
       setattr(state, name, value)
 
 
-def in_memory_only(checkpointer) -> bool:
-  """Whether `checkpointer` finds checkpoints in this process's memory alone: an
-  InMemoryCheckpointer whose subclass (if any) does not look elsewhere."""
-  base = InMemoryCheckpointer
-  return (isinstance(checkpointer, base)
-          and type(checkpointer).can_be_restored is base.can_be_restored
-          and type(checkpointer).restore_path is base.restore_path)
-
-
-class InMemoryCheckpointer:
+class InMemoryCheckpointer(Checkpointer):
   """Keeps up to `max_checkpoints_to_keep` snapshots per series, on device as jaxline did.
 
   As jaxline: `save` appends a snapshot to the series before it returns, so
@@ -195,6 +249,11 @@ class InMemoryCheckpointer:
   are fresh device copies (`device_snapshot`), dispatched before the
   non-finite check waits for the newest step, so the devices copy meanwhile.
   """
+
+  validates_saves = True
+  keeps_run_entries = True
+  restores_saved_entries = True
+  in_memory_only = True
 
   def __init__(self, config, mode: str):
     del mode  # Series are shared by every mode in the process.
@@ -208,10 +267,10 @@ class InMemoryCheckpointer:
         checkpoints[ckpt_series] = CheckpointNT(threading.local(), [])
       return checkpoints[ckpt_series]
 
-  def get_experiment_state(self, ckpt_series: str) -> ExperimentState:
+  def get_experiment_state(self, ckpt_series: str) -> ml_collections.ConfigDict:
     active = self._series(ckpt_series).active
     if not hasattr(active, "state"):
-      active.state = ExperimentState()
+      active.state = new_state()
     return active.state
 
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
@@ -260,38 +319,3 @@ def get_checkpoint_dir(config, host_id: int) -> str:
   path = os.path.join(config.checkpoint_dir, f"host_{host_id}")
   os.makedirs(path, exist_ok=True)
   return path
-
-
-_OUR_CHECKPOINTERS = ("jaxline_ng.checkpointing", "jaxline_ng.disk_checkpointing")
-
-
-def is_ours(checkpointer, method: str) -> bool:
-  """Whether `checkpointer`'s `method` is jaxline_ng's (not a user's override)."""
-  # Looked up on the class: a `mock.Mock()` or a wrapper forwarding through
-  # `__getattr__` has the method on the instance alone.
-  return getattr(getattr(type(checkpointer), method, None), "__module__",
-                 None) in _OUR_CHECKPOINTERS
-
-
-def every_process_saves(checkpointer) -> bool:
-  """Whether every process takes part in each save (a disk checkpoint of arrays
-  sharded over several processes: each writes its own shards)."""
-  return getattr(checkpointer, "every_process_saves", False) is True  # Not a Mock's attribute.
-
-
-def keeps_run_entries(checkpointer, state) -> bool:
-  """Whether the `latest` state keeps jaxline_ng's entries beside jaxline's:
-  the run's config (compared on resume) and when the last periodic save ran.
-  They are read back only where they are kept: any other state may hold
-  anything under those names (a `mock.Mock()` checkpointer's, which published
-  tests pass, has every attribute).
-
-  Only where jaxline_ng's own checkpointers save and restore its own state:
-  code written for jaxline (a checkpointer of its own, or a subclass of
-  `utils.InMemoryCheckpointer` saving elsewhere too) expects jaxline's
-  entries alone, and may lock them or save them with a library that refuses
-  a string or a dict of tuples.
-  """
-  return (isinstance(state, ExperimentState)
-          and is_ours(checkpointer, "restore")
-          and is_ours(checkpointer, "save"))

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -118,8 +119,13 @@ def _as_orbax_takes_them(tree: dict[str, Any]) -> dict[str, Any]:
       x.sharding.device_set) == 1 and len(jax.devices()) > 1 else x, tree)
 
 
-class DiskCheckpointer:
-  """The Checkpointer protocol over orbax step directories."""
+class DiskCheckpointer(checkpointing.Checkpointer):
+  """A Checkpointer over orbax step directories."""
+
+  validates_saves = True
+  keeps_run_entries = True
+  restores_saved_entries = True
+  restores_by_path = True
 
   def __init__(self, config, mode: str):
     check_checkpoint_dir(config.checkpoint_dir)
@@ -148,10 +154,9 @@ class DiskCheckpointer:
     self._lock = threading.Lock()
     self._pending: dict[str, int] = {}  # The step of each series orbax is writing.
     self._failure: BaseException | None = None  # A failed save's error, raised from then on.
-    # Newer checkpoints the last `restore` tried and could not load: an eval
-    # job stops waiting for them once no training run can replace them.
+    # An eval job stops waiting for checkpoints that did not load once no
+    # training run can replace them.
     self.unloadable_newer: list[str] = []
-    # The `restore_path` checkpoint a fresh training run started from, if any.
     self.started_from: str | None = None
     for ckpt_series in self._writes:  # Now, not at the first save, minutes of training later.
       check_writable(self._series_dir(ckpt_series))
@@ -193,9 +198,11 @@ class DiskCheckpointer:
             self._series_dir(ckpt_series), options=options, item_handlers=handlers)
       return self._managers[ckpt_series]
 
-  def get_experiment_state(self, ckpt_series: str) -> checkpointing.ExperimentState:
+  def get_experiment_state(self, ckpt_series: str) -> ml_collections.ConfigDict:
     states = self._live.__dict__.setdefault("states", {})
-    return states.setdefault(ckpt_series, checkpointing.ExperimentState())
+    if ckpt_series not in states:
+      states[ckpt_series] = checkpointing.new_state()
+    return states[ckpt_series]
 
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Saves the live state as a step of `ckpt_series`, with orbax's asynchronous save.
@@ -425,7 +432,7 @@ class DiskCheckpointer:
       logging.warning("[jaxline_ng] Moved the unusable checkpoint %s to %s (kept for "
                       "inspection; saving continues past its step).", path, target)
 
-  def set_aside(self, ckpt_series: str) -> None:
+  def set_aside(self, ckpt_series: str) -> bool:
     """Moves the series this process writes aside, kept beside it.
 
     Where every process writes into one series (mesh mode), the chief moves
@@ -441,6 +448,7 @@ class DiskCheckpointer:
       multihost.rendezvous(f"jaxline_ng_set_aside_{ckpt_series}")
     with self._lock:
       self._managers.pop(ckpt_series, None)
+    return True
 
   def wait_for_checkpointing_to_finish(self) -> None:
     """Blocks until every save started so far is on disk; raises a failed save's error."""

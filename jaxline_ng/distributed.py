@@ -17,7 +17,7 @@ import threading
 import jax
 from absl import flags, logging
 
-from jaxline_ng import launch
+from jaxline_ng import errors, launch
 
 # Environment variables that should hold an integer and do not: refused when
 # the run starts, in one line, rather than with a traceback at import.
@@ -58,11 +58,10 @@ _JOIN_TIMEOUT = flags.DEFINE_integer(
 _JAX_TIMEOUT_MARGIN_SECS = 30
 
 
-class MultihostError(RuntimeError):
+class MultihostError(RuntimeError, errors.OneLineError):
   """The run's processes cannot run together: the distributed runtime could not
   start, or a process was launched unlike process 0. The message names the
   flag or config key."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def initialize_if_requested() -> bool:

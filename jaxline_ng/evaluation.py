@@ -8,7 +8,6 @@ strictly improves. In a multi-process eval job the chief chooses what every
 process evaluates, through the distributed runtime's key-value store.
 """
 
-import inspect
 import itertools
 import json
 import os
@@ -61,6 +60,14 @@ def evaluate(experiment_class, config, checkpointer, writer,
   once while it waits, by raising `preemption.Preempted`.
   """
   base_config.add_keys_beyond_jaxline(config)
+  checkpointer = checkpointing.adapt(checkpointer)
+  if (multihost.is_multiprocess() and checkpointer.every_process_saves
+      and not checkpointer.restores_by_path):
+    # The processes read each checkpoint together: each choosing its own, they would wait.
+    raise base_config.ConfigError(
+        f"{checkpointer.class_name} overrides restore but does not declare restores_by_path: "
+        "the processes of this run restore each checkpoint together, the one the chief "
+        "chooses (restore(series, path=...)); declare restores_by_path = True in the class")
   if jaxline_mode is None:
     from absl import flags  # Only the command-line path reads the flag.
     jaxline_mode = flags.FLAGS.jaxline_mode
@@ -78,13 +85,13 @@ def evaluate(experiment_class, config, checkpointer, writer,
   state = checkpointer.get_experiment_state("latest")
   state.global_step = 0
   state.experiment_module = experiment
-  if not checkpointing.is_ours(checkpointer, "restore"):
+  if not checkpointer.restores_saved_entries:
     # As jaxline: a checkpointer written for it restores the entries the
     # state holds, and the best state takes the key chain from there.
     state.train_step_rng = None
   best = None
   if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts
-                                        or checkpointing.every_process_saves(checkpointer)):
+                                        or checkpointer.every_process_saves):
     best = best_lib.BestTracker(config, checkpointer, experiment)
   eval_rng = rng.eval_keys(config.random_seed, config.random_mode_eval)
   evaluate_fn = experiment_lib.evaluate_should_return_dict(
@@ -92,8 +99,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
 
   # Processes restoring from shared storage (jaxline_ng's disk checkpoints)
   # take the checkpoints the chief chooses; others each evaluate their own.
-  follow_chief = (multihost.is_multiprocess()
-                  and "path" in inspect.signature(checkpointer.restore).parameters)
+  follow_chief = multihost.is_multiprocess() and checkpointer.restores_by_path
   if config.one_off_evaluate and not config.eval_initial_weights and \
       not checkpointer.can_be_restored("latest"):
     # As jaxline: nothing will come to a one-off evaluation (a mistyped
@@ -162,9 +168,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
         except checkpointing.CheckpointSuperseded as e:
           logging.warning("[jaxline_ng] Not evaluated: %s; going on to the newer one.", e)
           superseded = True
-      # Only jaxline_ng's disk checkpointer falls back past what does not load.
-      unloadable = (list(getattr(checkpointer, "unloadable_newer", ()))
-                    if not superseded and checkpointing.is_ours(checkpointer, "restore") else [])
+      unloadable = [] if superseded else list(checkpointer.unloadable_newer)
       step_here = None if superseded else state.global_step
       if follow_chief and not _restored_by_all(decision, step_here):
         if not superseded:

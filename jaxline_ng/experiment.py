@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from jaxline_ng import base_config, devices, iterator_state, preemption
+from jaxline_ng import base_config, devices, errors, iterator_state, preemption
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng import rng as rng_lib
 
@@ -204,9 +204,8 @@ def checkpointed_values(experiment, fresh: bool) -> dict[str, Any]:
   return snapshot
 
 
-class CheckpointAttrsError(AttributeError):
+class CheckpointAttrsError(AttributeError, errors.OneLineError):
   """An entry of CHECKPOINT_ATTRS cannot be checkpointed; the message names it."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def checkpoint_attrs_problem(experiment) -> str | None:
@@ -382,7 +381,7 @@ class log_activity:  # pylint: disable=invalid-name  (jaxline's name)
   def __exit__(self, exc_type, exc, tb):
     if exc_type is None:
       logging.info("[jaxline] %s finished.", self._name)
-    elif getattr(exc, "one_line", False):  # Bad input or output: the message says it all.
+    elif isinstance(exc, errors.OneLineError):  # Bad input or output: the message says it all.
       logging.error("[jaxline] %s failed: %s", self._name, exc)
     elif issubclass(exc_type, Exception) and not issubclass(exc_type, preemption.Preempted):
       # The traceback is logged here, where the activity is named: a failure

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import agreement, devices, periodic
+from jaxline_ng import agreement, devices, errors, periodic
 
 POLICIES = ("halt", "warn", "off")
 # Steps whose scalars may wait for a check; past this, the loop reads the
@@ -47,9 +47,8 @@ _WARN_EACH = 10
 _LAST_VERDICT_SECS = 5.0
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(FloatingPointError, errors.OneLineError):
   """A training scalar was NaN or infinite (policy "halt")."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def non_finite_names(scalars: Mapping[str, Any]) -> list[str]:

@@ -32,16 +32,15 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxline_ng import agreement, base_config, distributed
+from jaxline_ng import agreement, base_config, distributed, errors
 
 GET_STATE, TF_DATA = "get_state", "tf.data"
 # Marks a JSON object that stands for a value JSON has no type for.
 _TAG = "__jaxline_ng__"
 
 
-class IteratorStateError(TypeError):
+class IteratorStateError(TypeError, errors.OneLineError):
   """An iterator position that cannot be saved or set back; names the entry."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def kind_of(value: Any) -> str | None:

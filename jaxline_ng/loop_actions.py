@@ -9,7 +9,6 @@ save, and the metric rows put on disk before a durable save
 (`flush_metrics`).
 """
 
-import inspect
 import math
 import time
 from collections.abc import Mapping
@@ -132,7 +131,8 @@ class _SaveAction(periodic.PeriodicAction):
     self.wait_to_finish()
 
 
-def default_periodic_actions(config, checkpointer, writer: writers.RunWriter | None, state,
+def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
+                             writer: writers.RunWriter | None, state,
                              save_checkpoints: bool,
                              guard: guards.NonFiniteGuard,
                              differing_copies: DifferingCopies,
@@ -149,8 +149,7 @@ def default_periodic_actions(config, checkpointer, writer: writers.RunWriter | N
   checkpoint), so a resumed run does not restart its saving clock.
   """
   start_step = state.global_step
-  keeps_our_entries = checkpointing.keeps_run_entries(checkpointer, state)
-  times = getattr(state, "periodic_action_times", None) if keeps_our_entries else None
+  times = getattr(state, "periodic_action_times", None) if checkpointer.keeps_run_entries else None
   saved_at_time, saved_at_step = (times or {}).get("checkpoint", (time.time(), start_step))
   logging_type = interval_type(config, "logging_interval_type")
   growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
@@ -195,7 +194,6 @@ def default_periodic_actions(config, checkpointer, writer: writers.RunWriter | N
   saved_at = [None]
   # jaxline_ng's checkpointers run the guard after dispatching their copies, so
   # the devices copy while it waits; a user's checkpointer gets a checked state.
-  validates = "validate" in inspect.signature(checkpointer.save).parameters
   durable = writer is not None and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
 
   def save_latest(step=None, scalars=None):
@@ -207,13 +205,13 @@ def default_periodic_actions(config, checkpointer, writer: writers.RunWriter | N
     if not save_checkpoints:  # A process that only hands its data positions to the chief.
       saved_at[0] = state.global_step
       return
-    if "checkpoint" in actions and keeps_our_entries:
+    if "checkpoint" in actions and checkpointer.keeps_run_entries:
       state.periodic_action_times = {"checkpoint": actions["checkpoint"].last_acted}
     if durable:
       flush_metrics(actions.get("write"), writer, config.log_all_train_data)
     if state.global_step > start_step:  # Not an initial save, before any step.
       differing_copies.look_at_the_first_save(state.global_step)
-    if validates:
+    if checkpointer.validates_saves:
       checkpointer.save("latest", validate=guard.seal(
           then=peer_checks and peer_checks.before_save(state.global_step)))
     else:

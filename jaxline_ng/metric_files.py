@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from jaxline_ng import errors
+
 # JsonlWriter writes buffered lines out once they exceed this many bytes.
 _JSONL_BUFFER_BYTES = 1 << 16
 
@@ -33,14 +35,12 @@ _TENSORBOARD_MAX_QUEUE = 1000
 _MAX_BUFFERED_ROWS = 1000
 
 
-class MetricsWriteError(OSError):
+class MetricsWriteError(OSError, errors.OneLineError):
   """The filesystem refused a metrics file (full, read-only, gone); names the file."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
-class WriteInputError(ValueError):
+class WriteInputError(ValueError, errors.OneLineError):
   """A value handed to a writer cannot be written; the message names it."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def to_number(value: Any, name: str) -> int | float:

@@ -30,6 +30,7 @@ from jaxline_ng import (
   config_loading,
   debugging,
   distributed,
+  errors,
   launch,
   persistent_cache,
   preemption,
@@ -228,7 +229,7 @@ def _warn_of_unread_snapshots(checkpointer) -> None:
     logging.warning("[jaxline_ng] utils.GLOBAL_CHECKPOINT_DICT holds in-memory snapshots (%s) "
                     "that this run does not restore: its checkpointer, %s, does not read them "
                     "(--config.checkpointer=memory does).", ", ".join(waiting),
-                    type(checkpointer).__name__)
+                    checkpointer.class_name)
 
 
 def _unused_disk_steps(config, checkpointer) -> str | None:
@@ -256,23 +257,23 @@ def _step_of(snapshot) -> Any:
 def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:
   # As jaxline: train_eval_multithreaded's trainer gets a checkpointer made
   # for "train", its evaluator one made for "eval" (a factory may tell them apart).
-  checkpointer = checkpointer_factory(config, "train" if mode == TRAIN_EVAL_MULTITHREADED
-                                      else mode)
+  checkpointer = checkpointing.adapt(checkpointer_factory(
+      config, "train" if mode == TRAIN_EVAL_MULTITHREADED else mode))
   if checkpointer_factory is not create_checkpointer and config.checkpointer != "memory":
     # The experiment chose its checkpointer in code; the key cannot change it.
     logging.warning("[jaxline_ng] config.checkpointer=%r has no effect: the experiment passes "
                     "its own checkpointer_factory (%s).", config.checkpointer,
-                    type(checkpointer).__name__)
+                    checkpointer.class_name)
   _warn_of_unread_snapshots(checkpointer)
   # A stopped training run whose checkpoints die with the process is not
   # resumed by a rerun: its exit code must not ask for one.
   preemption.set_resumable(mode not in ("train", TRAIN_EVAL_MULTITHREADED)
-                           or not checkpointing.in_memory_only(checkpointer))
+                           or not checkpointer.in_memory_only)
   unused_disk_steps = _unused_disk_steps(config, checkpointer)
   if unused_disk_steps and mode in ("train", TRAIN_EVAL_MULTITHREADED):
     logging.warning("[jaxline_ng] Training starts afresh: %s.", unused_disk_steps)
-  eval_checkpointer = (checkpointer_factory(config, "eval") if mode == TRAIN_EVAL_MULTITHREADED
-                       else checkpointer)
+  eval_checkpointer = (checkpointing.adapt(checkpointer_factory(config, "eval"))
+                       if mode == TRAIN_EVAL_MULTITHREADED else checkpointer)
   if distributed.is_multiprocess():
     # Saves made before another process failed still land (later ones are vetoed).
     agreement.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
@@ -295,12 +296,12 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
   else:
     # In-memory checkpoints come only from training in this process, which
     # eval modes do not run: what there is now is all there will be.
-    in_memory = checkpointing.in_memory_only(checkpointer)
+    in_memory = checkpointer.in_memory_only
     if in_memory and not checkpointer.can_be_restored("latest") and \
         not config.eval_initial_weights:
       raise base_config.ConfigError(
           f"--jaxline_mode={mode} would wait forever: in-memory checkpoints "
-          f"({type(checkpointer).__name__}) live in the training process. Use "
+          f"({checkpointer.class_name}) live in the training process. Use "
           f"--jaxline_mode={TRAIN_EVAL_MULTITHREADED}, or "
           "--config.eval_initial_weights to evaluate initial weights"
           + (f"; {unused_disk_steps}" if unused_disk_steps else ""))
@@ -353,8 +354,8 @@ def main(experiment_class, argv: Sequence[str],
     raise SystemExit(preemption.exit_code()) from None
   except Exception as e:  # pylint: disable=broad-except
     # Errors whose message says it all (bad input, a non-finite scalar, a
-    # full disk) mark themselves `one_line`; anything else keeps its traceback.
-    one_line = getattr(e, "one_line", False)
+    # full disk) are OneLineErrors; anything else keeps its traceback.
+    one_line = isinstance(e, errors.OneLineError)
     if distributed.is_multiprocess():
       if one_line:
         print(f"jaxline_ng: error: {e}", file=sys.stderr)

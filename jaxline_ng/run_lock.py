@@ -35,10 +35,11 @@ from collections.abc import Iterator
 
 from absl import logging
 
+from jaxline_ng import errors
 
-class RunLockError(RuntimeError):
+
+class RunLockError(RuntimeError, errors.OneLineError):
   """Another live run holds the lock; the message names it."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def roles(mode: str) -> tuple[str, ...]:

@@ -3,7 +3,7 @@
 The record holds the resolved config, the command line, versions of
 jaxline_ng / JAX / jaxlib, the devices and processes, and the git commit of
 the working directory (when it is a git checkout). Each checkpoint carries
-the flattened config it was made with (`ExperimentState.run_config`), so a
+the flattened config it was made with (the state's `run_config`), so a
 resumed run can say which keys differ — or refuse, with
 `config.strict_resume_config`.
 """

@@ -12,12 +12,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxline_ng import devices
+from jaxline_ng import devices, errors
 
 
-class ScalarsError(ValueError):
+class ScalarsError(ValueError, errors.OneLineError):
   """What `step` or `evaluate` returned cannot be logged; the message names the key."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 # Array kinds that are not real numbers, which TensorBoard and JSON take:

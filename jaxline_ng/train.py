@@ -19,6 +19,7 @@ from jaxline_ng import (
   base_config,
   checkpointing,
   debugging,
+  errors,
   guards,
   iterator_state,
   loop_actions,
@@ -41,10 +42,9 @@ from jaxline_ng.evaluation import evaluate
 MULTITHREADED_EVAL_POLL_SECS = 0.2
 
 
-class StepExitError(RuntimeError):
+class StepExitError(RuntimeError, errors.OneLineError):
   """`sys.exit()` was called inside the training loop (by `step` or a library it
   calls): a failure, not a finished run, which exit code 0 would report."""
-  one_line = True
 
 
 @debugging.disable_pmap_jit  # As jaxline's: for callers other than platform.main.
@@ -59,8 +59,9 @@ def train(experiment_class, config, checkpointer, writer,
   and flushed as at a normal end, and `preemption.Preempted` is raised.
   """
   base_config.add_keys_beyond_jaxline(config)
+  checkpointer = checkpointing.adapt(checkpointer)
   save_checkpoints = (multihost.is_chief() or config.train_checkpoint_all_hosts
-                      or checkpointing.every_process_saves(checkpointer))
+                      or checkpointer.every_process_saves)
   _check_saves_agree(config, checkpointer)
   mesh_lib.activate(config)
   multihost.own_collectives()
@@ -76,16 +77,14 @@ def train(experiment_class, config, checkpointer, writer,
   state.experiment_module = experiment
   state.train_step_rng = experiment.initialize_train_step_rng(train_key)
   run_config = json.dumps(run_record.flat_config(config), sort_keys=True)
-  keeps_our_entries = checkpointing.keeps_run_entries(checkpointer, state)
   resumed = checkpointer.can_be_restored("latest")
   if resumed:
     with experiment_lib.log_activity("checkpoint restore"):
       checkpointer.restore("latest")
-    if keeps_our_entries:
+    if checkpointer.keeps_run_entries:
       _check_resumed_config(getattr(state, "run_config", None), run_config,
                             config.strict_resume_config)
-    started_from = (getattr(checkpointer, "started_from", None)
-                    if checkpointing.is_ours(checkpointer, "restore") else None)
+    started_from = checkpointer.started_from
     if started_from and not experiment.should_run_step(state.global_step, config):
       raise base_config.ConfigError(
           f"config.restore_path: the run starts from {started_from} at step "
@@ -106,7 +105,7 @@ def train(experiment_class, config, checkpointer, writer,
   multihost.check_same_as_chief(
       "resumed", lambda: {"from step": int(state.global_step)},
       "every process must see the same checkpoints: give them one shared checkpoint_dir")
-  if keeps_our_entries:
+  if checkpointer.keeps_run_entries:
     state.run_config = run_config
   run_writer = writers.adapt(writer)  # None where this process writes nothing.
   if run_writer is not None:
@@ -122,14 +121,14 @@ def train(experiment_class, config, checkpointer, writer,
   # or its shards of global arrays, whose scalars every process sees alike.
   peer_checks = None
   if (multihost.is_multiprocess() and not config.train_checkpoint_all_hosts
-      and not checkpointing.every_process_saves(checkpointer)):
+      and not checkpointer.every_process_saves):
     peer_checks = guards.PeerChecks(guard)
     if not save_checkpoints:
       peer_checks.answer()
   differing_copies = loop_actions.DifferingCopies(
       state.experiment_module if save_checkpoints else None)
   peer_positions = None
-  if multihost.is_multiprocess() and not checkpointing.in_memory_only(checkpointer):
+  if multihost.is_multiprocess() and not checkpointer.in_memory_only:
     peer_positions = iterator_state.PeerPositions(config, state.experiment_module)
   # Every process runs the saves where each hands its data positions to the chief's.
   saves = save_checkpoints or bool(peer_positions and peer_positions.names)
@@ -212,7 +211,7 @@ def train(experiment_class, config, checkpointer, writer,
   if peer_checks is not None:
     peer_checks.close()
   if preempted is not None:
-    if checkpointing.in_memory_only(checkpointer):
+    if checkpointer.in_memory_only:
       logging.warning("[jaxline_ng] The checkpoints are in memory: a rerun starts afresh, so "
                       "the exit code is %d, not %d (--config.checkpointer=disk keeps them and "
                       "exits %d).", preemption.EXIT_STOPPED_UNSAVED, preemption.EXIT_PREEMPTED,
@@ -229,18 +228,19 @@ def _check_saves_agree(config, checkpointer) -> None:
   checkpointer that is not jaxline_ng's (`train_checkpoint_all_hosts`), each
   would resume from another step. jaxline refused seconds for saves on every
   host (`base_config.check_constraints`); jaxline_ng's own checkpointers
-  resume every process from the chief's saves.
+  resume every process from the chief's saves (`restores_by_path`), or
+  never resume another process (`in_memory_only`).
   """
   checkpoint_type = loop_actions.interval_type(config, "checkpoint_interval_type")
   if checkpoint_type == "steps" or config.save_checkpoint_interval <= 0:
     return
-  if checkpointing.every_process_saves(checkpointer):
+  if checkpointer.every_process_saves:
     why = ("every process of this multi-process mesh run writes its shards of each save, so "
            "all must save after the same step")
   elif (multihost.is_multiprocess() and config.train_checkpoint_all_hosts
-        and not checkpointing.is_ours(checkpointer, "restore")):
+        and not (checkpointer.restores_by_path or checkpointer.in_memory_only)):
     why = (f"with config.train_checkpoint_all_hosts=True each process saves its own, and "
-           f"{type(checkpointer).__name__} would resume each from another step")
+           f"{checkpointer.class_name} would resume each from another step")
   else:
     return
   culprit = "checkpoint_interval_type" if config.checkpoint_interval_type else "interval_type"
@@ -288,6 +288,7 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
         f"--jaxline_mode=train_eval_multithreaded over {jax.process_count()} processes: the "
         "evaluator's collectives would interleave with training's in another order in each "
         "process and abort the run; run --jaxline_mode=eval as a job of its own beside training")
+  checkpointer = checkpointing.adapt(checkpointer)
   if eval_writer is not None and not checkpointer.can_be_restored("latest"):
     # Training starts at step 0 (`train` sets its own writer's earlier rows
     # aside): so do the evaluator's, before it can write.

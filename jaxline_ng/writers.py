@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from jaxline_ng import background
+from jaxline_ng import background, errors
 from jaxline_ng.metric_files import (
     JsonlWriter,
     MetricsWriteError,
@@ -136,13 +136,15 @@ class WriterError(RuntimeError):
   """A background write failed; `__cause__` is the original exception."""
 
 
+class WriterErrorInOneLine(WriterError, errors.OneLineError):
+  """A background write failed with an error whose message says it all (naming the file)."""
+
+
 def _background_failure(error: BaseException) -> WriterError:
   """What the caller's thread raises for `error` of a background write: one
   line (naming the file) when `error` says all there is to say."""
-  if getattr(error, "one_line", False):
-    failure = WriterError(f"metric writing failed: {error}")
-    failure.one_line = True
-    return failure
+  if isinstance(error, errors.OneLineError):
+    return WriterErrorInOneLine(f"metric writing failed: {error}")
   return WriterError(f"Background metric writing failed: {error!r}")
 
 

@@ -29,6 +29,8 @@ import sys
 import jax
 from jax._src import xla_bridge
 
+from jaxline_ng import errors
+
 THREADS_PER_DEVICE = 6
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
@@ -61,9 +63,8 @@ def reserve_threads() -> None:
   _reserved.append(threads)
 
 
-class ThreadPoolError(RuntimeError):
+class ThreadPoolError(RuntimeError, errors.OneLineError):
   """XLA's CPU pool started too small for the devices' collectives."""
-  one_line = True  # Reported as one line naming the culprit, not a traceback.
 
 
 def check_pool() -> None:

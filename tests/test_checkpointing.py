@@ -1,6 +1,7 @@
 """In-memory checkpoints: both published snapshot layouts, rebinding, and restore."""
 
 import threading
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -244,3 +245,112 @@ def test_experiment_state_reads_and_prints_as_jaxlines_configdict():
   printed = str(state)
   for name in ("global_step: 7", "best_eval_metric_value: 0.5", "best_model_eval_metric:"):
     assert name in printed
+
+
+def test_a_subclass_overriding_save_or_restore_loses_what_describes_them():
+  """Code written for jaxline subclasses `utils.InMemoryCheckpointer` to save
+  elsewhere too: its save takes no `validate`, and its restore sets jaxline's
+  entries alone, so the loops must not rely on jaxline_ng's behaviour of them."""
+
+  class SavesElsewhereToo(utils.InMemoryCheckpointer):
+    def save(self, ckpt_series):
+      super().save(ckpt_series)
+
+  class RestoresFromElsewhere(utils.InMemoryCheckpointer):
+    def restore(self, ckpt_series):
+      super().restore(ckpt_series)
+
+  class RedeclaresWhatItKeeps(SavesElsewhereToo):
+    validates_saves = True
+    keeps_run_entries = True
+
+    def save(self, ckpt_series, *, validate=None):
+      utils.InMemoryCheckpointer.save(self, ckpt_series, validate=validate)
+
+  assert SavesElsewhereToo.restores_saved_entries and SavesElsewhereToo.in_memory_only
+  assert not SavesElsewhereToo.validates_saves and not SavesElsewhereToo.keeps_run_entries
+  assert RestoresFromElsewhere.validates_saves
+  assert not (RestoresFromElsewhere.keeps_run_entries
+              or RestoresFromElsewhere.restores_saved_entries
+              or RestoresFromElsewhere.in_memory_only)
+  assert RedeclaresWhatItKeeps.validates_saves and RedeclaresWhatItKeeps.keeps_run_entries
+  assert utils.InMemoryCheckpointer.validates_saves  # The base class keeps its own.
+
+  checkpointer = SavesElsewhereToo(config_for(3), "train")
+  config = config_for(3)
+  config.save_checkpoint_interval = 1
+  config.checkpoint_interval_type = "steps"
+  train.train(Params, config, checkpointer, None)
+  saved = utils.GLOBAL_CHECKPOINT_DICT["latest"].history[-1].pickle_nest
+  assert set(saved) == {"global_step", "train_step_rng", "experiment_module"}
+
+
+class JaxlineStyle:
+  """A checkpointer written for jaxline: its six methods and nothing else."""
+
+  def __init__(self):
+    self.state = ml_collections.ConfigDict()
+    self.saved_steps = []
+
+  def get_experiment_state(self, ckpt_series):
+    return self.state
+
+  def save(self, ckpt_series):
+    self.saved_steps.append(self.state.global_step)
+
+  def can_be_restored(self, ckpt_series):
+    return False
+
+  def restore(self, ckpt_series):
+    raise AssertionError("nothing to restore")
+
+  def restore_path(self, ckpt_series):
+    return None
+
+  def wait_for_checkpointing_to_finish(self):
+    pass
+
+
+def test_a_jaxline_style_checkpointer_is_adapted_once_with_no_capability():
+  own = JaxlineStyle()
+  adapted = checkpointing.adapt(own)
+  assert isinstance(adapted, checkpointing.Checkpointer)
+  assert checkpointing.adapt(adapted) is adapted
+  assert adapted.class_name == "JaxlineStyle"
+  assert not (adapted.validates_saves or adapted.keeps_run_entries or adapted.restores_by_path
+              or adapted.restores_saved_entries or adapted.in_memory_only
+              or adapted.every_process_saves)
+  assert adapted.set_aside("best") is False and adapted.started_from is None
+  in_memory = utils.InMemoryCheckpointer(config_for(1), "train")
+  assert checkpointing.adapt(in_memory) is in_memory
+
+  config = config_for(3)
+  config.save_checkpoint_interval = 1
+  config.checkpoint_interval_type = "steps"
+  train.train(Params, config, own, None)
+  assert own.saved_steps == [1, 2, 3]
+  assert set(own.state) == {"global_step", "train_step_rng", "experiment_module"}
+
+
+def test_the_run_state_is_a_configdict_as_jaxlines():
+  state = utils.InMemoryCheckpointer(config_for(1), "train").get_experiment_state("latest")
+  assert isinstance(state, ml_collections.ConfigDict) and not state.is_locked
+
+
+def test_an_eval_job_over_processes_refuses_a_restore_that_cannot_follow_the_chief(tmp_path):
+  """Where every process reads each checkpoint together, an override of `restore`
+  that does not declare `restores_by_path` would have each choose its own and wait."""
+  from jaxline_ng import disk_checkpointing, multihost  # pylint: disable=import-outside-toplevel
+
+  class LogsRestores(disk_checkpointing.DiskCheckpointer):
+    def restore(self, ckpt_series, path=None):
+      super().restore(ckpt_series, path=path)
+
+  config = config_for(2)
+  config.checkpoint_dir = str(tmp_path)
+  checkpointer = LogsRestores(config, "eval")
+  checkpointer.every_process_saves = True  # As in a mesh run over several processes.
+  with mock.patch.object(multihost, "is_multiprocess", return_value=True), \
+      pytest.raises(base_config.ConfigError, match=r"^LogsRestores overrides restore .*"
+                    r"declare restores_by_path = True"):
+    train.evaluate(Params, config, checkpointer, None, jaxline_mode="eval")

@@ -26,6 +26,7 @@ from jaxline_ng import (
   checkpoint_restore,
   devices,
   disk_checkpointing,
+  errors,
   experiment,
   multihost,
   train,
@@ -233,7 +234,7 @@ def test_a_series_directory_saves_cannot_write_is_refused_before_training(tmp_pa
   with pytest.raises(disk_checkpointing.CheckpointWriteError,
                      match="checkpoints/latest is not a directory") as raised:
     disk_checkpointing.DiskCheckpointer(disk_config(tmp_path, 2), "train")
-  assert raised.value.one_line
+  assert isinstance(raised.value, errors.OneLineError)
 
 
 def test_a_relative_checkpoint_dir_not_made_yet_is_writable(tmp_path, monkeypatch):
@@ -1430,7 +1431,8 @@ def test_a_full_disk_stops_training_with_one_line_naming_the_directory(tmp_path,
   series = os.path.join(tmp_path, "checkpoints", "latest")
   assert str(raised.value) == (f"[Errno 28] cannot save step 4 in {series}: "
                                "No space left on device")
-  assert raised.value.one_line  # The platform prints it as one line, exit 1.
+  # The platform prints it as one line, exit 1.
+  assert isinstance(raised.value, errors.OneLineError)
   assert series_steps(tmp_path) == [2]  # The checkpoint before it is intact.
 
 

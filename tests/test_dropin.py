@@ -21,7 +21,7 @@ import pytest
 from helpers import run
 from ml_collections import config_dict
 
-from jaxline_ng import base_config, checkpointing, experiment, preemption, train, utils
+from jaxline_ng import base_config, checkpointing, errors, experiment, preemption, train, utils
 
 
 def make_config(**overrides):
@@ -534,7 +534,8 @@ def test_experiment_kwargs_the_constructor_does_not_take_are_one_line_naming_the
     config.experiment_kwargs = None if kwargs is None else config_dict.ConfigDict(kwargs)
   with pytest.raises(base_config.ConfigError, match=culprit) as raised:
     train.train(TakesConfig, config, utils.InMemoryCheckpointer(make_config(), "train"), None)
-  assert "config.experiment_kwargs" in str(raised.value) and raised.value.one_line
+  assert "config.experiment_kwargs" in str(raised.value)
+  assert isinstance(raised.value, errors.OneLineError)
 
 
 # jaxline 0.0.8's `get_base_config()`: a config built to it (by hand, or

@@ -437,9 +437,11 @@ def test_a_process_given_another_process_count_stops_at_once_naming_the_flag(tmp
 def test_incomplete_multiprocess_flags_stop_naming_the_flag(args, culprit):
   """Each ran silently as a single process (or failed in JAX with a traceback)."""
   code = ("import sys\nfrom absl import flags\nfrom jaxline_ng import multihost\n"
+          "from jaxline_ng.errors import OneLineError\n"
           "flags.FLAGS(sys.argv)\n"
           "try:\n  multihost.initialize_if_requested()\n"
-          "except multihost.MultihostError as e:\n  print('error:', e, e.one_line)\n")
+          "except multihost.MultihostError as e:\n"
+          "  print('error:', e, isinstance(e, OneLineError))\n")
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
   env.update(arg.split("=", 1) for arg in args if not arg.startswith("--"))  # Variables.
   flags = [arg for arg in args if arg.startswith("--")]
@@ -453,9 +455,11 @@ def test_a_program_that_used_jax_before_platform_main_is_told_what_to_do():
   # jaxline never started JAX's distributed runtime; jax_privacy builds its
   # experiment, with JAX, before calling platform.main.
   code = ("import sys\nimport jax\nfrom absl import flags\nfrom jaxline_ng import multihost\n"
+          "from jaxline_ng.errors import OneLineError\n"
           "flags.FLAGS(sys.argv)\njax.local_device_count()\n"
           "try:\n  multihost.initialize_if_requested()\n"
-          "except multihost.MultihostError as e:\n  print('error:', e, e.one_line)\n")
+          "except multihost.MultihostError as e:\n"
+          "  print('error:', e, isinstance(e, OneLineError))\n")
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
   result = subprocess.run(
       [sys.executable, "-c", code, "--jaxline_num_processes=2", "--jaxline_process_id=1",
@@ -475,9 +479,11 @@ def test_process_0_on_a_port_another_coordinator_holds_stops_naming_the_address(
     stale.listen()
     port = stale.getsockname()[1]
     code = ("import sys\nfrom absl import flags\nfrom jaxline_ng import multihost\n"
+            "from jaxline_ng.errors import OneLineError\n"
             "flags.FLAGS(sys.argv)\n"
             "try:\n  multihost.initialize_if_requested()\n"
-            "except multihost.MultihostError as e:\n  print('error:', e, e.one_line)\n")
+            "except multihost.MultihostError as e:\n"
+          "  print('error:', e, isinstance(e, OneLineError))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
     try:
       result = subprocess.run(

@@ -17,7 +17,7 @@ from absl import flags
 from absl.testing import flagsaver
 from helpers import ENV, EXPERIMENTS, ROOT, TOY, read_jsonl, toy_command, toy_experiment
 
-from jaxline_ng import disk_checkpointing, platform, utils
+from jaxline_ng import base_config, disk_checkpointing, errors, platform, utils
 
 
 def run(*args, script=TOY, timeout=120, unset=()):
@@ -344,3 +344,80 @@ def test_check_mode_takes_the_modes_and_an_eval_job_with_a_name(mode, runs):
   else:
     with pytest.raises(ValueError, match=f"--jaxline_mode={mode!r} is not a mode"):
       platform.check_mode(mode)
+
+
+def test_an_error_deriving_from_one_line_error_is_reported_in_one_line(tmp_path, capsys):
+  """The platform reports in one line what derives from errors.OneLineError, an
+  experiment's own error too; any other error keeps its traceback."""
+  toy = toy_experiment()
+
+  class MissingDataError(errors.OneLineError):
+    pass
+
+  class RaisesInInit(toy.Experiment):
+    def __init__(self, mode, init_rng, config):
+      raise MissingDataError("config.experiment_kwargs.config.data='/nowhere' holds no data")
+
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    with pytest.raises(SystemExit) as exited:
+      platform.main(RaisesInInit, [])
+  assert str(exited.value.code) == (
+      "jaxline_ng: error: config.experiment_kwargs.config.data='/nowhere' holds no data")
+
+
+def test_a_config_error_is_still_a_value_error():
+  """Code written for jaxline catches bad config as ValueError."""
+  config = base_config.get_base_config()
+  config.interval_type = "hours"
+  try:
+    base_config.validate_config(config)
+  except ValueError as e:
+    assert isinstance(e, errors.OneLineError)
+  else:
+    raise AssertionError("a bad config was not refused")
+
+
+def test_a_jaxline_style_checkpointer_factory_runs_train_and_eval(tmp_path):
+  """A checkpointer class written for jaxline (its methods, no base class) goes
+  through the platform as in jaxline: its own methods are called, its state is
+  what `step`'s loop sets, and the eval job evaluates what it restores."""
+  toy = toy_experiment()
+  saves = []
+
+  class KeepsTheLastSave:
+    def __init__(self, config, mode):
+      del config, mode
+      self._states = {}
+
+    def get_experiment_state(self, series):
+      return self._states.setdefault(series, ml_collections.ConfigDict())
+
+    def save(self, series):
+      saves.append((series, self._states[series].global_step))
+
+    def can_be_restored(self, series):
+      return bool(saves) and series == "latest"
+
+    def restore(self, series):
+      self._states[series].global_step = saves[-1][1]
+
+    def restore_path(self, series):
+      return len(saves) if self.can_be_restored(series) else None
+
+    def wait_for_checkpointing_to_finish(self):
+      pass
+
+  config = toy.get_config()
+  config.checkpoint_dir = str(tmp_path)
+  config.training_steps = 4
+  config.save_checkpoint_interval = 2
+  config.checkpoint_interval_type = "steps"
+  with flagsaver.flagsaver(config=config, jaxline_mode="train"):
+    platform.main(toy.Experiment, [], checkpointer_factory=KeepsTheLastSave)
+  assert saves == [("latest", 2), ("latest", 4)]
+  config.one_off_evaluate = True
+  with flagsaver.flagsaver(config=config, jaxline_mode="eval"):
+    platform.main(toy.Experiment, [], checkpointer_factory=KeepsTheLastSave)
+  assert [row["step"] for row in read_jsonl(tmp_path / "eval" / "metrics.jsonl")] == [4]

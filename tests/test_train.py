@@ -6,6 +6,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -15,6 +16,7 @@ from jaxline_ng import (
   best,
   checkpointing,
   debugging,
+  errors,
   experiment,
   periodic,
   preemption,
@@ -330,7 +332,7 @@ def test_training_steps_none_without_an_override_is_one_line_naming_the_key():
   with pytest.raises(base_config.ConfigError, match="config.training_steps=None, but Counting "
                      "does not override should_run_step") as raised:
     train.train(Counting, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
-  assert raised.value.one_line
+  assert isinstance(raised.value, errors.OneLineError)
 
 
 class TypoInAttrs(Counting):
@@ -368,7 +370,7 @@ def test_checkpoint_attrs_that_cannot_be_saved_stop_the_run_after_its_first_step
   with pytest.raises(experiment.CheckpointAttrsError, match=culprit) as raised:
     train.train(experiment_class, config, checkpointing.InMemoryCheckpointer(config, "train"),
                 None)
-  assert raised.value.one_line and len(Counting.seen) == 1
+  assert isinstance(raised.value, errors.OneLineError) and len(Counting.seen) == 1
   with pytest.raises(experiment.CheckpointAttrsError, match=culprit):
     experiment_class("train", jax.random.PRNGKey(0)).snapshot_state()  # Every save says so too.
 
@@ -502,7 +504,7 @@ def test_checkpoint_attrs_not_one_copy_per_device_stop_the_run_after_its_first_s
                            r"not one copy per local device \(4\)") as raised:
     train.train(experiment_class, config, checkpointing.InMemoryCheckpointer(config, "train"),
                 None)
-  assert raised.value.one_line and len(Counting.seen) == 1
+  assert isinstance(raised.value, errors.OneLineError) and len(Counting.seen) == 1
 
 
 def test_a_checkpointed_attribute_built_by_the_first_step_is_saved():
@@ -725,7 +727,7 @@ class RacingCheckpointer:
   RESTORED_STEPS = [2, 2, 3]
 
   def __init__(self):
-    self._state = checkpointing.ExperimentState()
+    self._state = ml_collections.ConfigDict()
     self._polls = 0
 
   def get_experiment_state(self, ckpt_series):

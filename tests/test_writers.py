@@ -20,7 +20,7 @@ import pytest
 from helpers import read_jsonl, run
 from test_dropin import MinimalWriter
 
-from jaxline_ng import metric_files, writers
+from jaxline_ng import errors, metric_files, writers
 
 
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -709,7 +709,8 @@ def test_a_full_disk_under_metrics_is_one_line_naming_the_file():
     writer.write_scalars(1, {"loss": 0.5})
     with pytest.raises((writers.MetricsWriteError, writers.WriterError)) as raised:
       writer.flush()
-    assert raised.value.one_line  # The platform prints it as one line, exit 1.
+    # The platform prints it as one line, exit 1.
+    assert isinstance(raised.value, errors.OneLineError)
     assert str(raised.value).endswith(
         "[Errno 28] cannot write /dev/full: No space left on device")
     with pytest.raises((writers.MetricsWriteError, writers.WriterError)):
@@ -729,7 +730,7 @@ def test_values_a_writer_cannot_write_are_one_line_naming_them(tmp_path, step, s
   writer.write_scalars(step, scalars)
   with pytest.raises(writers.WriterError, match=re.escape(culprit)) as raised:
     writer.close()
-  assert raised.value.one_line
+  assert isinstance(raised.value, errors.OneLineError)
 
 
 @pytest.mark.parametrize("tensorboard", [False, True], ids=["jsonl", "tensorboard"])
@@ -741,4 +742,4 @@ def test_an_image_a_writer_cannot_write_is_one_line_naming_it(tmp_path, tensorbo
       "write_images: image 'samples' is str 'not an image' of shape (): write [H, W], [H, W, C] "
       "or [B, H, W, C]")) as raised:
     writer.close()
-  assert raised.value.one_line
+  assert isinstance(raised.value, errors.OneLineError)
