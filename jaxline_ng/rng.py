@@ -123,22 +123,10 @@ def _split_once(chain, mode: str, process: int):
   return step_keys, children[:, 1]
 
 
-# Steps whose keys one dispatch computes: a dispatch costs the training thread
-# far more than the ready arrays it hands out (see the loop benchmark).
-STEPS_PER_DISPATCH = 32
-
-
-@debugging.compiled(static_argnames=("mode", "process", "num_steps"))
-def _split_steps(chain, mode: str, process: int, num_steps: int):
+@debugging.compiled(static_argnames=("mode", "process"))
+def _split_step(chain, mode: str, process: int):
   check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
-
-  def one_step(current, _):
-    step_key, next_chain = _split_once(current, mode, process)
-    return next_chain, (step_key, next_chain)
-
-  _, (step_keys, chains) = jax.lax.scan(one_step, chain, length=num_steps)
-  # One array per step, so handing a step its keys needs no further dispatch.
-  return [step_keys[i] for i in range(num_steps)], [chains[i] for i in range(num_steps)]
+  return _split_once(chain, mode, process)
 
 
 class StepKeys:
@@ -148,24 +136,13 @@ class StepKeys:
   from `chain` (`state.train_step_rng`): `[local devices, 2]` in pmap mode,
   one key in mesh mode. The step's key is specialised by `mode`
   (`config.random_mode_train`; in mesh mode only its host part applies).
-  The keys of `STEPS_PER_DISPATCH` steps come from one dispatch; a chain
-  other than the one handed out last (a restore, or code that sets
-  `state.train_step_rng`) starts a new block from it, so the keys always
-  follow from the chain given.
   """
 
   def __init__(self, mode: str):
     self._mode = mode
-    self._ready: list[tuple[jax.Array, jax.Array]] = []
-    self._handed_out = None
 
   def next(self, chain):
-    if chain is not self._handed_out or not self._ready:
-      step_keys, chains = _split_steps(chain, mode=self._mode, process=jax.process_index(),
-                                       num_steps=STEPS_PER_DISPATCH)
-      self._ready = list(zip(step_keys, chains))[::-1]
-    step_rng, self._handed_out = self._ready.pop()
-    return step_rng, self._handed_out
+    return _split_step(chain, mode=self._mode, process=jax.process_index())
 
 
 def _host_part_only(mode: str) -> str:
