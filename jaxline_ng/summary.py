@@ -2,10 +2,9 @@
 
     python -m jaxline_ng.summary /tmp/my_run
 
-Prints where the TensorBoard logs, `metrics.jsonl` files and checkpoints
-are, the last step logged per mode, and the best value of the run's
-`best_model_eval_metric` per evaluator (read from `run.json` and `eval*/metrics.jsonl`).
-Exits non-zero with one line when the directory holds no run.
+Prints where the logs and checkpoints are, the last step logged per mode and
+each evaluator's best `best_model_eval_metric`; exits non-zero with one line
+when the directory holds no run.
 """
 
 import json
