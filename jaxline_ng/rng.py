@@ -1,23 +1,10 @@
-"""Random keys for training and evaluation, specialised per host and device.
+"""Random keys for training and evaluation, specialised per host and device (jaxline's streams).
 
-A random mode is `<host>_host_<device>_device` with each part `unique` or
-`same`: `unique_host_unique_device` gives every device of every process its
-own key, `same_host_same_device` gives all of them the same key. Keys are raw
-`uint32[2]` keys (what `jax.random.PRNGKey` returns).
-
-The streams are jaxline's. The seed's key is split into the training chain
-and the experiment's `init_rng` (both are the seed's key with
-`legacy_random_seed_behavior`). The chain is replicated on every device
-(`AbstractExperiment.initialize_train_step_rng`); each step splits it into the
-step's key, then specialised per host and device by `random_mode_train`, and
-the chain of the next step. Evaluation gets the seed's key, specialised by
-`random_mode_eval`, at every call.
-
-Because the chain is the same on every device, a checkpointed chain resumes
-on any number of devices: the step keys after the restored step are exactly
-those of an uninterrupted run whenever the process and device counts are
-the same, and on another topology each device still gets its own
-deterministic key.
+A random mode is `<unique|same>_host_<unique|same>_device`. The seed's key is
+split into the training chain and `init_rng`; each step splits the chain,
+replicated on every device, into the step's key (specialised by
+`random_mode_train`) and the next chain. Evaluation gets the seed's key,
+specialised by `random_mode_eval`. A replicated chain resumes on any topology.
 """
 
 import enum
@@ -68,11 +55,8 @@ def host_id_devices_for_rng(mode: str = "unique_host_unique_device"):
 
 def specialize_rng_host_device(rng, host_id, axis_name: str,
                                mode: str = "unique_host_unique_device"):
-  """Folds the host id and/or device index into `rng` as `mode` says.
-
-  Call inside a pmap over `axis_name` (jaxline's contract); `host_id` is this
-  device's entry of `host_id_devices_for_rng(mode)`, or None.
-  """
+  """Folds the host id and/or device index into `rng` as `mode` says (jaxline's
+  function, called inside a pmap over `axis_name`)."""
   check_random_mode(mode, "random_mode")
   if mode.startswith("unique_host_") and host_id is None:
     raise ValueError(f"random mode {mode!r} needs a host id")
@@ -160,14 +144,11 @@ def check_mesh_random_mode(mode: str, config_key: str) -> None:
 
 
 def place_chain(value, like=None):
-  """A restored chain key placed for this run's topology.
+  """A restored chain key placed for this run's topology, typed as `like` (else `value`).
 
-  A chain saved on another number of devices (or in the other placement)
-  continues from its first row when all of its rows are equal, as the
-  default `initialize_train_step_rng` makes them; per-device chains of an
-  overridden `initialize_train_step_rng` resume only on as many devices.
-  The result holds typed keys if `like` (the run's own chain) does, raw
-  ones if it does not; without `like`, as `value` does.
+  A chain saved on another device count continues from its first row when all
+  rows are equal (the default); differing per-device chains resume only on as
+  many devices.
   """
   typed = like if like is not None else value
   if devices.is_typed_key(value):
@@ -212,12 +193,8 @@ MAX_STEP = int(np.iinfo(np.int32).max)
 
 
 def step_counter(global_step: int):
-  """`global_step` as a step receives it: a host `int32[local devices]` (pmap;
-  `global_step[0]` is free) or an `int32` scalar (mesh mode).
-
-  A new array each step, so a step may change it in place (`global_step += 1`
-  rebound jaxline 0.0.8's device array) without changing the loop's count.
-  """
+  """`global_step` as a step receives it: a new host `int32[local devices]` (pmap)
+  or `int32` scalar (mesh mode), so a step changing it leaves the loop's count."""
   if mesh_lib.active_mesh() is not None:
     return np.int32(global_step)
   return np.full(jax.local_device_count(), global_step, np.int32)
