@@ -20,15 +20,10 @@ DEVICE_AXIS = "i"
 
 
 @functools.cache
-def local_mesh() -> Mesh:
-  """A one-axis mesh over this process's devices, in `jax.local_devices()` order."""
-  return Mesh(np.array(jax.local_devices()), (DEVICE_AXIS,))
-
-
-@functools.cache
 def per_device_sharding() -> NamedSharding:
   """Shards axis 0 of an array over the local devices: pmap's input layout."""
-  return NamedSharding(local_mesh(), PartitionSpec(DEVICE_AXIS))
+  return NamedSharding(Mesh(np.array(jax.local_devices()), (DEVICE_AXIS,)),
+                       PartitionSpec(DEVICE_AXIS))
 
 
 def put_per_device(tree: Any) -> Any:
@@ -81,16 +76,6 @@ def _placement(leaf: jax.Array) -> tuple[int | None, bool]:
   return position, one_copy
 
 
-def _first_shard(leaf: Any) -> Any:
-  """The buffer holding the first row of a multi-device array whole (`[k, ...]`),
-  else the leaf itself."""
-  if isinstance(leaf, jax.Array) and len(leaf.sharding.addressable_devices) > 1:
-    position, _ = _placement(leaf)
-    if position is not None:
-      return leaf.addressable_data(position)
-  return leaf
-
-
 def first_copy_to_host(tree: Any) -> Any:
   """`tree` on the host, each replicated or per-device array read from the
   first local device only (a per-device array keeps a leading axis of 1).
@@ -130,7 +115,9 @@ def get_first(xs: Any) -> Any:
           "mode global_step and global arrays have none: use the value itself, or run code "
           "written for pmap with config.placement='pmap')")
     if isinstance(leaf, jax.Array):
-      shard = _first_shard(leaf)
+      # The buffer holding the first row whole, if one does.
+      position = _placement(leaf)[0] if len(leaf.sharding.addressable_devices) > 1 else None
+      shard = leaf if position is None else leaf.addressable_data(position)
       by_device.setdefault(frozenset(shard.sharding.device_set), []).append((i, shard))
   for group in by_device.values():
     firsts = _drop_leading_axis([shard for _, shard in group])

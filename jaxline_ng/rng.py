@@ -93,8 +93,10 @@ def replicate_key(key):
   return devices.placed_from_host(key, mesh_lib.replicate)
 
 
-def _split_once(chain, mode: str, process: int):
+@debugging.compiled(static_argnames=("mode", "process"))
+def _split_step(chain, mode: str, process: int):
   """`(step key, next chain)`: jaxline's split, the step key specialised by `mode`."""
+  check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
   # Mesh mode: one global key, per-device keys the step's business. A raw key
   # has a trailing axis of 2 that a typed key lacks.
   if chain.ndim == (0 if devices.is_typed_key(chain) else 1):
@@ -105,12 +107,6 @@ def _split_once(chain, mode: str, process: int):
   step_keys = jax.vmap(lambda key, position: _specialize(key, mode, process, position))(
       children[:, 0], positions)
   return step_keys, children[:, 1]
-
-
-@debugging.compiled(static_argnames=("mode", "process"))
-def _split_step(chain, mode: str, process: int):
-  check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
-  return _split_once(chain, mode, process)
 
 
 class StepKeys:

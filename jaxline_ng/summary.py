@@ -50,16 +50,6 @@ def _read_config(path: str) -> dict[str, Any]:
   return record.get("config", {})
 
 
-def _best(records: list[dict[str, Any]], metric: str,
-          higher_is_better: bool) -> dict[str, Any] | None:
-  finite = [r for r in records if isinstance(r.get(metric), (int, float)) and
-            math.isfinite(r[metric])]
-  if not finite:
-    return None
-  choose = max if higher_is_better else min
-  return choose(finite, key=lambda r: r[metric])
-
-
 def summarize(checkpoint_dir: str) -> list[str]:
   """The summary's lines; raises FileNotFoundError if there is no run there."""
   modes = sorted(name for name in os.listdir(checkpoint_dir)
@@ -87,8 +77,10 @@ def summarize(checkpoint_dir: str) -> list[str]:
     # Each evaluator has its own best: eval_<name> modes evaluate other data.
     evaluators = [mode for mode in modes if mode.startswith("eval")]
     for mode in evaluators:
-      best = _best(records_of[mode], metric, higher)
-      if best is not None:
+      finite = [r for r in records_of[mode]
+                if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
+      if finite:
+        best = (max if higher else min)(finite, key=lambda r: r[metric])
         of_mode = f" ({mode})" if len(evaluators) > 1 else ""
         lines.append(f"Best {metric}{of_mode}: {best[metric]:.4f} at step {best['step']}")
 
