@@ -63,8 +63,8 @@ class Worker:
     """Queues `fn(*args, **kwargs)` to run after every call submitted before it.
 
     Returns:
-      The call's future; its result is None if an earlier call failed (it is
-      skipped). After `close`, the call never runs.
+      The call's future (result None if skipped after an earlier failure; after
+      `close` it never runs).
 
     Raises:
       The first error of an earlier call (see `raise_as`).
