@@ -27,6 +27,9 @@ _RESUME_READ_BYTES = 1 << 16
 # Events TensorFlow's file writer holds before writing them out (or a `flush`).
 _TENSORBOARD_MAX_QUEUE = 1000
 
+# TensorBoardWriter writes its buffered scalar rows once this many wait.
+_MAX_BUFFERED_ROWS = 1000
+
 
 class MetricsWriteError(OSError):
   """The filesystem refused a metrics file (full, read-only, gone); names the file."""
@@ -83,8 +86,14 @@ class TensorBoardWriter:
   """Writes TensorBoard event files with `tf.summary`.
 
   TensorFlow is imported and the event file created at the first write (or
-  `prepare`), so constructing this writer is free. Events reach the disk on
-  `flush()`/`close()` (TensorFlow may write them out earlier).
+  `prepare`), so constructing this writer is free. Scalars are the hot path
+  (a run may log every step), and one eager `tf.summary` op per value costs
+  more CPU than a small model's step: rows of the same names are buffered
+  and written by one compiled program per set of names. They are written once
+  `_MAX_BUFFERED_ROWS` wait, before a row of other names or any
+  image/histogram/text (so events stay in step order), and on `flush()`,
+  `close()` and `resume()`. Events reach the disk on `flush()`/`close()`
+  (TensorFlow may write them out earlier).
   """
 
   def __init__(self, logdir: str):
@@ -97,6 +106,9 @@ class TensorBoardWriter:
     self._tf: Any = None
     self._writer: Any = None
     self._closed = False
+    self._tags: tuple[str, ...] = ()
+    self._rows: list[tuple[int, list]] = []
+    self._programs: dict[tuple[str, ...], Any] = {}
     # Whether the log held event files (an earlier run's) when this writer opened its own.
     self._earlier_events: bool | None = None
 
@@ -109,7 +121,8 @@ class TensorBoardWriter:
 
     try:
       # TensorFlow must not claim GPU memory that JAX needs, nor CPU time:
-      # its thread pools would compete with the training computation.
+      # its thread pools (sized to the machine, spinning while they wait)
+      # would compete with the training computation for the same cores.
       tf.config.set_visible_devices([], "GPU")
       tf.config.threading.set_intra_op_parallelism_threads(1)
       tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -121,6 +134,7 @@ class TensorBoardWriter:
       self._earlier_events = any(".tfevents." in name for name in os.listdir(self._logdir))
     self._tf = tf
     self._writer = tf.summary.create_file_writer(self._logdir, max_queue=_TENSORBOARD_MAX_QUEUE)
+    self._programs = {}  # Each holds the file writer it was compiled with.
 
   def prepare(self) -> None:
     """Imports TensorFlow and opens the log, ahead of the first write."""
@@ -129,14 +143,55 @@ class TensorBoardWriter:
   def _at_step(self, global_step: Any) -> Any:
     """A context in which `tf.summary` ops write to this log at `global_step`."""
     self._open()
+    self._commit()
     return self._writer.as_default(step=to_step(global_step))
 
   def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
-    row = {name: to_number(value, name) for name, value in scalars.items()}
-    with self._at_step(global_step):
-      for name, value in row.items():
-        # As float64: TensorFlow would refuse a float beyond float32, which TensorBoard stores.
-        self._tf.summary.scalar(name, np.float64(value))
+    row = [to_number(value, name) for name, value in scalars.items()]
+    self._open()
+    if not row:
+      return
+    tags = tuple(scalars)
+    if tags != self._tags:
+      self._commit()
+      self._tags = tags
+    self._rows.append((to_step(global_step), row))
+    if len(self._rows) >= _MAX_BUFFERED_ROWS:
+      self._commit()
+
+  def _commit(self) -> None:
+    """Writes the buffered scalar rows, in one call of a compiled program."""
+    if not self._rows:
+      return
+    steps, rows = zip(*self._rows)
+    self._rows = []
+    program = self._programs.get(self._tags)
+    if program is None:
+      program = self._programs[self._tags] = self._scalar_rows_program(self._tags)
+    program(np.asarray(steps, np.int64), np.asarray(rows, np.float64).reshape(len(steps), -1))
+
+  def _scalar_rows_program(self, tags: tuple[str, ...]) -> Any:
+    """A program writing rows of scalars named `tags`: steps [N], values [N, len(tags)]."""
+    from tensorboard.plugins.scalar import metadata as scalars  # Loaded with TensorFlow, by now.
+
+    tf = self._tf
+    metadata = scalars.create_summary_metadata(display_name=None, description=None)
+
+    # `tf.summary.write`, as `tf.summary.scalar` does: inside the loop `scalar` would prefix
+    # the loop's name scope to the tag. No autograph: it leaves source files in the temp dir.
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64),
+                                  tf.TensorSpec([None, len(tags)], tf.float64)], autograph=False)
+    def write_rows(steps, values):
+      def write_row(i):
+        written = [tf.summary.write(tag, tf.cast(values[i, j], tf.float32), step=steps[i],
+                                    metadata=metadata) for j, tag in enumerate(tags)]
+        with tf.control_dependencies(written):
+          return i + 1
+
+      with self._writer.as_default():
+        tf.while_loop(lambda i: i < tf.shape(steps)[0], write_row, [tf.constant(0)])
+
+    return write_rows
 
   def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
     with self._at_step(global_step):
@@ -156,6 +211,7 @@ class TensorBoardWriter:
 
   def flush(self) -> None:
     if self._writer is not None:
+      self._commit()
       self._writer.flush()
 
   def resume(self, global_step: int, *, set_aside_past: int | None = None) -> None:
@@ -172,6 +228,7 @@ class TensorBoardWriter:
       return
     from tensorboard.compat.proto import event_pb2  # Loaded with TensorFlow, by now.
 
+    self._commit()
     self._writer.close()
     self._writer = None
     now = time.time()
@@ -192,6 +249,7 @@ class TensorBoardWriter:
 
   def close(self) -> None:
     if self._writer is not None:
+      self._commit()
       self._writer.close()
       self._writer = None
     self._closed = True
