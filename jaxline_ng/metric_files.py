@@ -85,15 +85,11 @@ def _to_image_batch(value: Any, name: str) -> np.ndarray:
 class TensorBoardWriter:
   """Writes TensorBoard event files with `tf.summary`.
 
-  TensorFlow is imported and the event file created at the first write (or
-  `prepare`), so constructing this writer is free. Scalars are the hot path
-  (a run may log every step), and one eager `tf.summary` op per value costs
-  more CPU than a small model's step: rows of the same names are buffered
-  and written by one compiled program per set of names. They are written once
-  `_MAX_BUFFERED_ROWS` wait, before a row of other names or any
-  image/histogram/text (so events stay in step order), and on `flush()`,
-  `close()` and `resume()`. Events reach the disk on `flush()`/`close()`
-  (TensorFlow may write them out earlier).
+  TensorFlow is imported and the log opened at the first write (or `prepare`).
+  One eager `tf.summary` op per value costs more CPU than a small model's step,
+  so scalar rows of the same names are buffered and written by one compiled
+  program per set of names, before any other event (events stay in step order)
+  and on `flush()`, `close()` and `resume()`.
   """
 
   def __init__(self, logdir: str):
@@ -121,8 +117,7 @@ class TensorBoardWriter:
 
     try:
       # TensorFlow must not claim GPU memory that JAX needs, nor CPU time:
-      # its thread pools (sized to the machine, spinning while they wait)
-      # would compete with the training computation for the same cores.
+      # its thread pools would compete with the training computation.
       tf.config.set_visible_devices([], "GPU")
       tf.config.threading.set_intra_op_parallelism_threads(1)
       tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -160,7 +155,7 @@ class TensorBoardWriter:
       self._commit()
 
   def _commit(self) -> None:
-    """Writes the buffered scalar rows, in one call of a compiled program."""
+    """Writes the buffered scalar rows in one call of their compiled program."""
     if not self._rows:
       return
     steps, rows = zip(*self._rows)
