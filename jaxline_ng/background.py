@@ -1,13 +1,10 @@
 """`Worker`: calls run in order on one background thread; the first error fails it for good.
 
-The metric writer, the disk checkpointer's saves and `make_async` run on
-workers. A call's error is logged with its traceback, the calls queued after
-it are skipped, and every later `submit`, `wait`, `close` and
-`raise_if_failed` raises it on the caller's thread, so a failure cannot pass
-unnoticed. Work is handed over only through `queue.SimpleQueue`, whose `put`
-is re-entrant, so `close` may run in a signal handler that interrupted a
-`submit` or `wait` (a `ThreadPoolExecutor` takes locks there, and would
-deadlock).
+A call's error is logged, the calls queued after it are skipped, and every
+later `submit`, `wait`, `close` and `raise_if_failed` raises it on the caller's
+thread. Work goes only through `queue.SimpleQueue`, whose `put` is re-entrant,
+so `close` may run in a signal handler that interrupted a `submit` or `wait`
+(a `ThreadPoolExecutor` would deadlock there).
 """
 
 import concurrent.futures
@@ -21,8 +18,7 @@ from absl import logging
 
 from jaxline_ng.errors import OneLineError
 
-# How often a caller waiting on the thread checks that it still runs: what
-# was queued after `close` (a race with it) is never answered.
+# How often a waiting caller checks the thread still runs (a call queued after `close` never ends).
 _LIVENESS_POLL_SECONDS = 1.0
 
 _STOP = object()  # Queued by `close`, or once the Worker is garbage: the thread returns.
@@ -46,26 +42,22 @@ class Worker:
     if max_pending is not None and max_pending < 1:
       raise ValueError(f"max_pending must be >= 1, got {max_pending}.")
     self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    # One token per call allowed to be pending: `submit` takes one, the
-    # thread gives it back once that call has finished.
+    # One token per call allowed to be pending, given back when the call finishes.
     self._slots = None if max_pending is None else queue.SimpleQueue()
     for _ in range(max_pending or 0):
       self._slots.put(None)
     self._errors: list[BaseException] = []  # The first error, once a call raised.
     self._raise_as = raise_as
-    # The thread does not refer to this object: once nobody holds it (a
-    # `make_async` worker has no owner to close it), the finalizer stops
-    # the thread. A daemon, as non-daemon threads are joined before `atexit`
-    # handlers run, i.e. before an owner's `atexit` handler could close it.
+    # The thread does not refer to this object, so a worker nobody holds is
+    # stopped by its finalizer. A daemon: non-daemon threads are joined before
+    # an owner's `atexit` handler could close it.
     self._thread = threading.Thread(target=_work, name=name, daemon=True,
                                     args=(name, self._calls, self._slots, self._errors, on_idle))
     self._start_lock = threading.Lock()
     weakref.finalize(self, self._calls.put, _STOP).atexit = False  # An owner may close at exit.
-    # When the main thread ends, the calls submitted so far run, as a
-    # `ThreadPoolExecutor`'s do, while importing still works: some modules
-    # (h5py, which TensorFlow loads) crash the interpreter if imported during
-    # `atexit`. No public hook runs then; this private one (the executor's
-    # too) cannot be unregistered, so it refers to the worker weakly.
+    # When the main thread ends, the calls so far run (as a ThreadPoolExecutor's
+    # do) while importing still works: h5py, which TensorFlow loads, crashes the
+    # interpreter if imported during `atexit`. The hook refers to the worker weakly.
     threading._register_atexit(_drain_at_exit, weakref.ref(self))
 
   def submit(self, fn: Callable[..., Any], /, *args: Any,
@@ -73,8 +65,8 @@ class Worker:
     """Queues `fn(*args, **kwargs)` to run after every call submitted before it.
 
     Returns:
-      The call's future; its result is None if an earlier call failed (it is
-      skipped). After `close`, the call never runs.
+      The call's future (result None if skipped after an earlier failure; after
+      `close` it never runs).
 
     Raises:
       The first error of an earlier call (see `raise_as`).
@@ -88,13 +80,9 @@ class Worker:
     return future
 
   def _start_thread(self) -> None:
-    """Starts the thread at the first call, as `ThreadPoolExecutor` does.
-
-    Starting it then, with the call queued, lets it run the call before the
-    caller goes on (CPython hands the new thread the GIL), so an error of a
-    quick first call is raised by the very next one, as jaxline's tests of
-    `make_async` expect. No thread exists before there is work.
-    """
+    """Starts the thread at the first call, as `ThreadPoolExecutor` does: it
+    runs the call before the caller goes on, so a quick first call's error is
+    raised by the next one, as jaxline's tests of `make_async` expect."""
     if self._thread.ident is None:
       with self._start_lock:
         if self._thread.ident is None:

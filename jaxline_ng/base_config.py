@@ -1,9 +1,6 @@
 """The base configuration every jaxline_ng experiment config starts from.
 
-Keys and defaults are jaxline's, so published configs keep their meaning.
-Experiment configs add their own keys freely (usually under
-`experiment_kwargs.config`, often at the top level too); validation only
-insists that the keys below are present and well-formed.
+Keys and defaults are jaxline's; experiment configs add their own keys freely.
 """
 
 import math
@@ -58,10 +55,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.best_checkpoint_all_hosts = False
   # A checkpoint directory to start a fresh run from ("" for none).
   config.restore_path = ""
-  # JAX's persistent compilation cache, shared by the train and eval
-  # processes of a run: None means the cache given to JAX itself if any
-  # (JAX_COMPILATION_CACHE_DIR), else <checkpoint_dir>/compilation_cache on
-  # accelerators (none on CPU); "" turns it off.
+  # JAX's persistent compilation cache: None is JAX's own if set, else
+  # <checkpoint_dir>/compilation_cache off CPU; "" turns it off.
   config.compilation_cache_dir = config_dict.placeholder(str)
 
   # Evaluation.
@@ -85,8 +80,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   config.profile_steps = ()
   # Refuse to resume from a checkpoint made with a different config.
   config.strict_resume_config = False
-  # Resume from a checkpoint holding entries the experiment no longer has
-  # (an optimizer changed from momentum to plain SGD) without them; else refused.
+  # Resume without checkpoint entries the experiment no longer has; else refused.
   config.drop_extra_checkpoint_entries = False
 
   # Where state lives: "pmap" (jaxline's per-device copies) or "mesh" (global
@@ -117,11 +111,8 @@ class ConfigError(ValueError, errors.OneLineError):
 
 def validate_keys(base_cfg: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
                   base_filename: str = "base_config.py") -> None:
-  """Raises ConfigError if `config` lacks a key of `base_cfg` (jaxline's function).
-
-  Nested ConfigDicts of `base_cfg` are checked key by key where `config`
-  has them set. Code written for jaxline calls it to check a config against
-  a base of its own; the platform runs `validate_config`.
+  """Raises ConfigError if `config` lacks a key of `base_cfg`, nested ones too
+  (jaxline's function).
 
   Args:
     base_cfg: the config whose keys `config` must have.
@@ -139,12 +130,8 @@ def validate_keys(base_cfg: ml_collections.ConfigDict, config: ml_collections.Co
 
 
 def check_constraints(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError where jaxline refused a combination of keys (jaxline's function).
-
-  jaxline refused checkpoints on every host timed in seconds (each host would
-  save another step) and growth ratios without `interval_type="steps"`. The
-  platform runs `validate_config`, which refuses what jaxline_ng cannot run;
-  this keeps jaxline's stricter rules for code that calls it.
+  """Raises ConfigError where jaxline refused a combination of keys (jaxline's
+  function; the platform runs `validate_config`).
 
   Raises:
     ConfigError: naming the keys.
@@ -175,14 +162,10 @@ def add_keys_beyond_jaxline(config: ml_collections.ConfigDict) -> None:
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ConfigError naming the first missing or malformed base key.
-
-  Keys beyond the base ones are allowed: published configs add their own.
-  Base keys jaxline did not have (`KEYS_BEYOND_JAXLINE`) are added to
-  `config` with their defaults when it lacks them, as a config written for
-  jaxline does.
-  """
-  from jaxline_ng import rng  # Deferred: rng imports JAX, config files should not.
+  """Raises ConfigError naming the first missing or malformed base key; adds
+  `KEYS_BEYOND_JAXLINE` a config written for jaxline lacks."""
+  # Deferred: these import JAX, which config files should not.
+  from jaxline_ng import guards, mesh, rng
 
   defaults = get_base_config()
   for key in defaults.keys():
@@ -209,7 +192,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
       raise ConfigError(str(e)) from None
 
-  from jaxline_ng import mesh  # Deferred, like rng above.
   if config.placement not in mesh.PLACEMENTS:
     raise ConfigError(f"config.placement={config.placement!r} is not a placement; expected "
                       f"one of {', '.join(mesh.PLACEMENTS)}")
@@ -230,7 +212,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"config.checkpointer={config.checkpointer!r} is not a checkpointer; "
         f"expected one of {', '.join(CHECKPOINTERS)}")
 
-  from jaxline_ng import guards  # Deferred, like rng above.
   if config.non_finite_policy not in guards.POLICIES:
     raise ConfigError(
         f"config.non_finite_policy={config.non_finite_policy!r} is not a policy; expected "
@@ -269,10 +250,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.training_steps={steps!r} is beyond {rng.MAX_STEP}, the most steps "
                       "a step's int32 global_step counts (as in jaxline)")
 
-  # A negative logging interval would act at every step: a sign typo. A
-  # negative save interval means no periodic saves in jaxline, as 0 does, and
-  # published configs use -1 so: kept, but said, as a preempted run would pay
-  # for a typo there with every step since its start.
+  # A negative logging interval is a typo; a negative save interval means no
+  # periodic saves in jaxline (published configs use -1): kept, but said.
   for key, none_allowed in (("log_tensors_interval", True), ("log_train_data_interval", True),
                             ("save_checkpoint_interval", False),
                             ("eval_poll_interval_secs", False)):
@@ -292,8 +271,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(f"config.{key}=0 with step intervals: 1 logs every step, None never")
 
   if config.restore_path and config.checkpointer != "disk":
-    # Published experiments define restore_path for their own restores from
-    # in-memory runs, so it is not an error; jaxline_ng reads it from disk only.
     logging.warning("[jaxline_ng] config.restore_path=%r is read by the disk checkpointer only; "
                     "with config.checkpointer=%r jaxline_ng leaves it to the experiment.",
                     config.restore_path, config.checkpointer)
@@ -311,8 +288,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(
         f"config.max_checkpoints_to_keep={config.max_checkpoints_to_keep!r} must be >= 1")
 
-  # A ratio outside [1, 10) never acts (each decade scales them), but 10 is
-  # allowed: jaxline's own example is (1, 2, 5, 10).
+  # 10 is allowed: jaxline's own example is (1, 2, 5, 10).
   ratios = config.periodic_action_growth_ratios
   if ratios is not None and (not ratios or any(
       isinstance(r, bool) or not isinstance(r, (int, float)) or not 1 <= r <= 10

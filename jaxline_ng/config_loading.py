@@ -26,15 +26,10 @@ def _override_naming(key: str) -> str | None:
 
 
 def report_errors_in_one_line(config_flag) -> None:
-  """Makes config-file failures one-line flag errors instead of tracebacks.
-
-  ml_collections reports a missing file only when the config is first read
-  (several lines later), and a syntax error or an override of an unknown key
-  as a raw traceback. Each becomes a flag error naming the file or override.
-  """
-  # ml_collections' flag has no public hook for its parse errors, and flag
-  # values are parsed inside `app.run`, before any code of ours could catch
-  # them: its `_parse` is wrapped.
+  """Makes config-file failures (a missing file, a syntax error, an override of
+  an unknown key) one-line flag errors naming the file or override."""
+  # Flags are parsed inside `app.run`, before our code runs, and ml_collections'
+  # flag has no hook for its errors: its `_parse` is wrapped.
   parse = config_flag._parse  # pylint: disable=protected-access
 
   def parse_or_explain(argument: str):
@@ -88,9 +83,6 @@ def report_errors_in_one_line(config_flag) -> None:
 def as_config_dict(config, config_flag) -> ml_collections.ConfigDict:
   """The config as a ConfigDict; a `get_config()` returning a plain dict is converted.
 
-  Nothing of jaxline's config contract needs more than a ConfigDict built
-  from the same nested values, and a dict is what a new user writes first.
-
   Args:
     config: what the config file's `get_config()` returned.
     config_flag: the `--config` flag, whose file is named if `config` is
@@ -106,20 +98,11 @@ def as_config_dict(config, config_flag) -> ml_collections.ConfigDict:
       "ml_collections.ConfigDict, e.g. built on jaxline_ng.base_config.get_base_config()")
 
 
-def _absolute(path: str) -> str:
-  """`path` against the working directory, `~` against the home directory."""
-  return os.path.abspath(os.path.expanduser(path))
-
-
 def make_paths_absolute(config) -> None:
-  """Resolves `checkpoint_dir`, `restore_path` and `compilation_cache_dir`
-  against the working directory (and `~` against the home directory), once.
-
-  Orbax refuses relative paths, and a later change of directory (by the
-  experiment, or a library) would move the run's files; every consumer
-  reads the absolute paths from the config from here on. An empty
-  `checkpoint_dir` is the working directory, as for jaxline's writers; an
-  empty `restore_path` or `compilation_cache_dir` stays empty (none, off).
+  """Makes `checkpoint_dir`, `restore_path` and `compilation_cache_dir` absolute,
+  once: orbax refuses relative paths, and a later `chdir` would move the run's
+  files. An empty `checkpoint_dir` is the working directory, as for jaxline's
+  writers; the other two stay empty (none, off).
   """
   for key in ("checkpoint_dir", "restore_path", "compilation_cache_dir"):
     given = config[key]
@@ -131,7 +114,7 @@ def make_paths_absolute(config) -> None:
       raise base_config.ConfigError(
           f"config.{key}={given!r}: jaxline_ng keeps runs on a local or mounted filesystem, "
           "not at a URL: mount the bucket (gcsfuse, s3fs) and give the mount's path")
-    absolute = _absolute(given or ".")
+    absolute = os.path.abspath(os.path.expanduser(given or "."))
     if absolute != given:
       config[key] = absolute
       logging.info("[jaxline_ng] config.%s=%r: using %s.", key, given, absolute)
@@ -142,6 +125,6 @@ def warn_if_eval_dir_differs(config) -> None:
   jaxline versions), mostly to "" or their checkpoint_dir; evaluators read
   `checkpoint_dir`, so another directory there would go unread unnoticed."""
   eval_dir = config.get("eval_specific_checkpoint_dir")
-  if eval_dir and _absolute(eval_dir) != config.checkpoint_dir:
+  if eval_dir and os.path.abspath(os.path.expanduser(eval_dir)) != config.checkpoint_dir:
     logging.warning("[jaxline_ng] config.eval_specific_checkpoint_dir=%r is not read: evaluation "
                     "reads config.checkpoint_dir=%r.", eval_dir, config.checkpoint_dir)

@@ -1,16 +1,9 @@
 """Debugging switches: running pmap/jit eagerly, and post-mortem on failure.
 
 Under `--jaxline_disable_pmap_jit` (alias `--disable_pmap_jit`) the loops run
-inside chex's `fake_pmap_and_jit`, as in jaxline, and `jax.disable_jit()`.
-chex replaces `jax.pmap` and `jax.jit` while the switch is on, so the pmaps
-and jits an experiment creates then (in `__init__`, as jaxline experiments
-do) become a vmap and a plain call: fast, and a breakpoint inside sees the
-devices' values batched (a vmap tracer; its `.val` holds them). chex cannot
-reach functions created before, such as pmaps built at import time; those run
-under `disable_jit` instead, op by op on every device, which shows each
-device's concrete values but is far slower. Functions compiled ahead of time
-(`jax.jit(f).lower(...).compile()`) cannot be made eager; the log says so
-when the switch is on. jaxline_ng's own device helpers (`compiled`) stay
+inside chex's `fake_pmap_and_jit`, as in jaxline, and `jax.disable_jit()`: pmaps
+and jits created then become a vmap and a plain call; those created earlier (at
+import time) run op by op. jaxline_ng's own device helpers (`compiled`) stay
 compiled: the switch is for the experiment's code.
 """
 
@@ -80,12 +73,8 @@ def disable_pmap_jit(fn):
 
 
 def compiled(fn=None, /, **jit_kwargs):
-  """`jax.jit(fn, **jit_kwargs)` that stays compiled under `--jaxline_disable_pmap_jit`.
-
-  For jaxline_ng's own device helpers (step keys, snapshot copies, checksums):
-  run op by op under the switch's `jax.disable_jit()`, a save of a large state
-  takes many times longer, and none of them is code a user steps through.
-  """
+  """`jax.jit(fn, **jit_kwargs)` that stays compiled under `--jaxline_disable_pmap_jit`,
+  for jaxline_ng's own device helpers, which no user steps through."""
   if fn is None:
     return functools.partial(compiled, **jit_kwargs)
   jitted = jax.jit(fn, **jit_kwargs)

@@ -1,10 +1,7 @@
 """Placing pmap-replicated state on the local devices and reading it back.
 
-Since JAX 0.8 a pmap output is a `jax.Array` with a `NamedSharding` over a
-one-axis mesh of the local devices. Indexing it (`x[0]`) gathers every shard
-to one device, which costs hundreds of microseconds per leaf; the functions
-here read the first device's shard instead, and place replicated values with
-one `jax.device_put` per leaf.
+Indexing a pmap output (`x[0]`) gathers every shard to one device; the
+functions here read the first device's shard instead.
 """
 
 import functools
@@ -17,25 +14,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxline_ng import debugging
 
-# The axis name of the mesh per-device data is placed on. pmap's compile cache
-# is keyed on its inputs' mesh, axis names included, and a pmap's outputs live
-# on a mesh named after its `axis_name`: placing state on a mesh named "i",
-# the name jaxline experiments pass to pmap, means the step that consumes the
-# framework's arrays first and its own outputs afterwards compiles once, not
-# twice. A pmap with another axis name compiles a second time at step 2.
+# pmap's compile cache is keyed on its inputs' mesh, axis names included: with
+# "i", the name jaxline experiments pass to pmap, the step compiles once, not twice.
 DEVICE_AXIS = "i"
-
-
-@functools.cache
-def local_mesh() -> Mesh:
-  """A one-axis mesh over this process's devices, in `jax.local_devices()` order."""
-  return Mesh(np.array(jax.local_devices()), (DEVICE_AXIS,))
 
 
 @functools.cache
 def per_device_sharding() -> NamedSharding:
   """Shards axis 0 of an array over the local devices: pmap's input layout."""
-  return NamedSharding(local_mesh(), PartitionSpec(DEVICE_AXIS))
+  return NamedSharding(Mesh(np.array(jax.local_devices()), (DEVICE_AXIS,)),
+                       PartitionSpec(DEVICE_AXIS))
 
 
 def put_per_device(tree: Any) -> Any:
@@ -71,51 +59,29 @@ def _drop_leading_axis(tree):
   return jax.tree.map(lambda x: x[0], tree)
 
 
-# Per (sharding, shape): `_placement`'s answer. Finding it builds an object per
-# device (`addressable_shards`), too slow to repeat for every leaf of every save.
-_placements: dict[tuple[Any, tuple[int, ...]], tuple[int | None, bool]] = {}
-
-
 def _placement(leaf: jax.Array) -> tuple[int | None, bool]:
   """`(position, one_copy)`: the position of the shard of `leaf` that holds
   `leaf[0]` whole (the whole value if replicated), or None when none does (an
   array split along a later axis, such as a mesh's `model` axis); and whether
   one shard is one whole copy: the value of a replicated array, or the first
   row of a per-device one."""
-  key = (leaf.sharding, leaf.shape)
-  if key not in _placements:
-    position = next(
-        (position for position, shard in enumerate(leaf.addressable_shards)
-         if all(index.start in (None, 0) and (axis == 0 or index.stop in (None, size))
-                for axis, (index, size) in enumerate(zip(shard.index, leaf.shape)))),
-        None)
-    devices = len(leaf.sharding.addressable_devices)
-    one_copy = leaf.is_fully_replicated or (
-        bool(leaf.shape) and leaf.shape[0] == devices
-        and leaf.sharding.shard_shape(leaf.shape)[0] == 1 and position is not None)
-    _placements[key] = (position, one_copy)
-  return _placements[key]
-
-
-def _first_shard(leaf: Any) -> Any:
-  """The buffer holding the first row of a multi-device array whole (`[k, ...]`,
-  the value itself when replicated); the array itself if no buffer does, and
-  other leaves as they are."""
-  if isinstance(leaf, jax.Array) and len(leaf.sharding.addressable_devices) > 1:
-    position, _ = _placement(leaf)
-    if position is not None:
-      return leaf.addressable_data(position)
-  return leaf
+  position = next(
+      (position for position, shard in enumerate(leaf.addressable_shards)
+       if all(index.start in (None, 0) and (axis == 0 or index.stop in (None, size))
+              for axis, (index, size) in enumerate(zip(shard.index, leaf.shape)))),
+      None)
+  one_copy = leaf.is_fully_replicated or (
+      bool(leaf.shape) and leaf.shape[0] == len(leaf.sharding.addressable_devices)
+      and leaf.sharding.shard_shape(leaf.shape)[0] == 1 and position is not None)
+  return position, one_copy
 
 
 def first_copy_to_host(tree: Any) -> Any:
   """`tree` on the host, each replicated or per-device array read from the
-  first local device only: a per-device array keeps its leading axis, of
-  size 1; other arrays are copied whole, other leaves kept as they are.
+  first local device only (a per-device array keeps a leading axis of 1).
 
-  One transfer per array and nothing dispatched to the devices, so no
-  collective: any thread may call it. This is where the loop's logging,
-  guard and save checks wait for the devices.
+  Nothing is dispatched, so no collective: any thread may call it. This is
+  where the loop's logging, guard and save checks wait for the devices.
   """
 
   def read(leaf):
@@ -133,14 +99,11 @@ def first_copy_to_host(tree: Any) -> Any:
 def get_first(xs: Any) -> Any:
   """Returns the first device's copy of a pmap-replicated pytree.
 
-  Reads the first addressable shard of each array instead of indexing the
-  global array, so nothing is gathered across devices. The result holds
-  fresh buffers: donating the replicated input later does not invalidate it.
-  Non-JAX leaves (numpy arrays, Python numbers) are indexed as jaxline did.
+  Nothing is gathered across devices, and the result holds fresh buffers that
+  donating the input does not invalidate. Non-JAX leaves are indexed as jaxline did.
   """
   leaves, treedef = jax.tree.flatten(xs)
-  # One dispatch per device the first rows are on: one, unless arrays order
-  # their devices differently (a jit takes arrays of one device set).
+  # One dispatch per device set (a jit takes arrays of one).
   by_device: dict[Any, list[tuple[int, jax.Array]]] = {}
   for i, leaf in enumerate(leaves):
     if np.ndim(leaf) == 0:
@@ -152,7 +115,9 @@ def get_first(xs: Any) -> Any:
           "mode global_step and global arrays have none: use the value itself, or run code "
           "written for pmap with config.placement='pmap')")
     if isinstance(leaf, jax.Array):
-      shard = _first_shard(leaf)
+      # The buffer holding the first row whole, if one does.
+      position = _placement(leaf)[0] if len(leaf.sharding.addressable_devices) > 1 else None
+      shard = leaf if position is None else leaf.addressable_data(position)
       by_device.setdefault(frozenset(shard.sharding.device_set), []).append((i, shard))
   for group in by_device.values():
     firsts = _drop_leading_axis([shard for _, shard in group])
@@ -170,12 +135,8 @@ def _copy_on_device(arrays):
 
 
 def fresh_copies(tree: Any) -> Any:
-  """`tree` with every `jax.Array` copied on its devices (dispatched, not waited for).
-
-  The copies are new buffers: donating or deleting the originals later does
-  not touch them. One dispatch per placement, as a jit takes arrays of one
-  device set.
-  """
+  """`tree` with every `jax.Array` copied to new buffers on its devices (not
+  waited for), which donating or deleting the originals does not touch."""
   leaves, treedef = jax.tree.flatten(tree)
   by_sharding: dict[Any, list[int]] = {}
   for i, leaf in enumerate(leaves):
@@ -219,11 +180,9 @@ def split_axes(array: jax.Array) -> tuple[int, ...]:
 
 
 def one_row_per_device(value: Any) -> bool:
-  """Whether `value` is laid out as pmap lays out its outputs: a `jax.Array`
-  whose leading axis has one row on each of its devices. (A host array, or
-  one on a single device, whose leading axis merely equals the device count
-  is not.) Under `--jaxline_disable_pmap_jit` any device array is: chex's
-  vmap puts a pmap's outputs on one device."""
+  """Whether `value` is a `jax.Array` with one row of its leading axis on each
+  of its devices, as pmap lays out outputs (under `--jaxline_disable_pmap_jit`
+  any device array: chex's vmap puts them on one device)."""
   if not isinstance(value, jax.Array) or not value.shape:
     return False
   sharding = value.sharding
@@ -259,13 +218,9 @@ def holds_shape(array: jax.Array, shape: tuple[int, ...], pmap_layout: bool) -> 
 
 
 def restored_like(live: Any, restored: Any) -> Any:
-  """`restored` as `live`, the value it replaces, holds it.
-
-  Keys of the kind `live` holds: raw data made typed keys where `live` holds
-  typed ones, typed keys made raw data where it holds arrays (a checkpoint of
-  code that used the other kind). NumPy arrays (what a disk restore reads
-  to the host) back where the live arrays are, committed to them as those
-  were, when `holds_shape` says they can be.
+  """`restored` as `live`, the value it replaces, holds it: keys of `live`'s kind
+  (typed or raw), and host arrays placed where the live arrays are (committed
+  as those were) when `holds_shape` says they fit.
   """
 
   def like(live_leaf, restored_leaf):

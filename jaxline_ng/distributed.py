@@ -1,12 +1,8 @@
 """Starting JAX's distributed runtime, from jaxline_ng's flags.
 
-A run spans several processes when `--jaxline_num_processes` (or the
-`JAX_NUM_PROCESSES` environment variable) is above 1, or when
-`--jaxline_distributed` asks JAX to detect a cluster (SLURM, Open MPI,
-Kubernetes, Cloud TPU). `platform.main` then calls `initialize_if_requested`
-before anything touches a device. Locally, `python -m jaxline_ng.launch` starts
-the processes and sets the environment for them. Process 0 is the chief: it
-writes summaries and checkpoints unless a `*_all_hosts` config key says otherwise.
+A run spans several processes when `--jaxline_num_processes` (or
+`$JAX_NUM_PROCESSES`) is above 1, or `--jaxline_distributed` asks JAX to
+detect a cluster; `platform.main` calls `initialize_if_requested` first.
 """
 
 import os
@@ -59,9 +55,7 @@ _JAX_TIMEOUT_MARGIN_SECS = 30
 
 
 class MultihostError(RuntimeError, errors.OneLineError):
-  """The run's processes cannot run together: the distributed runtime could not
-  start, or a process was launched unlike process 0. The message names the
-  flag or config key."""
+  """The run's processes cannot run together; the message names the flag or config key."""
 
 
 def initialize_if_requested() -> bool:
@@ -107,9 +101,7 @@ def initialize_if_requested() -> bool:
     except OSError as e:
       raise MultihostError(f"--jaxline_coordinator_address={_COORDINATOR.value}: cannot "
                            f"resolve {host!r}: {e.strerror or e}") from None
-  if jax.distributed.is_initialized():
-    # An earlier `platform.main` call of this program started it (JAX starts
-    # it once a process); process 0's own coordinator holds the port now.
+  if jax.distributed.is_initialized():  # By an earlier `platform.main` call: JAX starts it once.
     if num_processes is not None and jax.process_count() != num_processes:
       raise MultihostError(
           f"--jaxline_num_processes={num_processes}, but the distributed runtime this "
@@ -121,9 +113,7 @@ def initialize_if_requested() -> bool:
   if not timeout > 0:
     raise MultihostError(f"--jaxline_distributed_timeout={timeout} must be positive")
   where = _COORDINATOR.value or "the detected cluster's coordinator"
-  # The wait for every process to join cannot fail early (a peer may start
-  # late), and JAX's timeout aborts the process without a word: at ours each
-  # process still waiting says which address it was given, and ends.
+  # JAX's join timeout aborts without a word: at ours a waiting process names its address.
   logging.info("[jaxline_ng] Process %s of %s: joining at %s; every process must join within "
                "%d s (--jaxline_distributed_timeout).", _PROCESS_ID.value, num_processes, where,
                timeout)

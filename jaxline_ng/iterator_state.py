@@ -1,22 +1,9 @@
 """Data iterators in checkpoints: each process's position, saved and set back.
 
-A checkpointed attribute (`CHECKPOINT_ATTRS` or `NON_BROADCAST_CHECKPOINT_ATTRS`)
-may hold an iterator that can report and take its position:
-
-- anything with `get_state()` and `set_state(state)`: grain's
-  `DatasetIterator` protocol (a `PrefetchDatasetIterator`, a `DataLoader`'s
-  iterator), NumPy's `RandomState`;
-- a `tf.data` iterator, saved through `tf.train.Checkpoint`.
-
-A checkpoint holds its `Position`: the state of every process's iterator,
-by process index (each process reads its own shard of the data). A restore
-sets this process's state into the iterator the experiment has just built.
-States are stored as JSON: plain values as they are, bytes, tuples, NumPy
-arrays and dicts of other keys tagged.
-
-In a multi-process run the chief writes the checkpoint: the other processes
-hand it their states at each step it saves (`PeerPositions`) through the
-distributed runtime's key-value store.
+A checkpointed attribute may hold an iterator with `get_state()`/`set_state()`
+(grain's protocol, NumPy's `RandomState`) or a `tf.data` iterator. A checkpoint
+holds its `Position`, every process's state as JSON by process index; in a
+multi-process run the others hand theirs to the chief's saves (`PeerPositions`).
 """
 
 import base64
@@ -119,11 +106,14 @@ def restore_attribute(experiment: Any, attr: str, saved: Position, name: str) ->
   set_back(live, saved, name)
 
 
+def _checkpoint_attrs(experiment: Any) -> dict[str, str]:
+  return {**(getattr(experiment, "CHECKPOINT_ATTRS", None) or {}),
+          **(getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})}
+
+
 def saveable_names(experiment: Any) -> list[str]:
   """The checkpoint names of the experiment's attributes that hold saveable iterators."""
-  attrs = {**(getattr(experiment, "CHECKPOINT_ATTRS", None) or {}),
-           **(getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})}
-  return sorted(name for attr, name in attrs.items()
+  return sorted(name for attr, name in _checkpoint_attrs(experiment).items()
                 if kind_of(getattr(experiment, attr, None)) is not None)
 
 
@@ -192,13 +182,8 @@ def _decode(x: Any) -> Any:
 
 
 class PeerPositions:
-  """A multi-process run's iterators: every process hands its positions to the chief's saves.
-
-  Made on every process at the start of training. The chief saves at steps
-  every process knows (a `steps` interval, the end, an agreed stop), and
-  every other process publishes its states at those steps (`at_save`); the
-  chief's save waits for them (`gather`).
-  """
+  """A multi-process run's iterators: at the steps the chief saves, which every
+  process knows, the others publish their positions (`at_save`) for it to `gather`."""
 
   def __init__(self, config, experiment: Any):
     self.names = saveable_names(experiment)
@@ -220,13 +205,9 @@ class PeerPositions:
           "saves their positions from the first checkpoint on")
     if distributed.is_chief() or not self.names:
       return
-    attrs = {**(getattr(experiment, "CHECKPOINT_ATTRS", None) or {}),
-             **(getattr(experiment, "NON_BROADCAST_CHECKPOINT_ATTRS", None) or {})}
-    states = {}
-    for attr, name in attrs.items():
-      if name in self.names:
-        position = capture(getattr(experiment, attr), f"experiment_module/{name}")
-        states[name] = position.states[jax.process_index()]
+    states = {name: capture(getattr(experiment, attr), f"experiment_module/{name}")
+              .states[jax.process_index()]
+              for attr, name in _checkpoint_attrs(experiment).items() if name in self.names}
     agreement.exchange(f"iterator_positions/{step}", json.dumps(states), read_from=())
 
 

@@ -3,24 +3,12 @@
     python -m jaxline_ng.launch --num_processes=2 --devices_per_process=2 -- \
         python examples/digits/experiment.py --config=examples/digits/experiment.py
 
-Each process gets `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and
-`JAX_PROCESS_ID` (which `platform.main` reads to start JAX's distributed
-runtime) and `devices_per_process` fake CPU devices. Their output is
-interleaved line by line, each line prefixed `[p<i>]`; the launcher's own
-lines (`[launch]`) give each process's pid at the start, to signal one of
-them, and each exit code at the end. A SIGTERM or Ctrl-C to the launcher is
-passed on to every process as SIGTERM; processes still running
-`--stop_grace_secs` later are killed with their process groups, named, and
-the launcher exits non-zero.
-
-The processes of a jaxline_ng run end together (`jaxline_ng.multihost`):
-the launcher waits for all of them and exits with 75 when the run was
-stopped on request (every process exited 75), with the code of the process
-that failed first otherwise (128 + N for a death by signal N, as shells
-report it), and 0 when every process did. Processes still running well after
-another ended are stopped. On Linux a launcher killed outright (`kill -9`)
-leaves none running: each gets SIGTERM, saves and exits 75, and one still
-running `--stop_grace_secs` later ends itself (`watch_the_launcher`).
+Each process gets JAX's coordinator environment and `devices_per_process`
+fake CPU devices; output lines are prefixed `[p<i>]`. A SIGTERM or Ctrl-C is
+passed on to every process, which are killed `--stop_grace_secs` later if still
+running. Exits 75 when every process did (stopped on request), else with the
+code of the process that failed first (128 + N for signal N), 0 on success.
+On Linux a launcher killed outright leaves no process running (`watch_the_launcher`).
 """
 
 import argparse
@@ -44,9 +32,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _stop_with_the_launcher() -> None:
-  """In each child, before it runs: SIGTERM when the launcher dies. Processes
-  that outlived a `kill -9` of their launcher held the run's lock against the
-  rerun a scheduler starts."""
+  """In each child, before it runs: SIGTERM when the launcher dies (else it holds
+  the run's lock against the rerun)."""
   _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -60,11 +47,9 @@ _LAUNCHER_PID_ENV = "JAXLINE_NG_LAUNCHER_PID"
 _GRACE_ENV = "JAXLINE_NG_STOP_GRACE_SECS"
 # jaxline_ng.preemption.EXIT_PREEMPTED (not imported: that would import JAX here).
 _EXIT_PREEMPTED = 75
-# How long the others get to end on their own once a process has ended: they
-# agree on a stop within seconds, but the chief's final save may take longer.
+# How long the others get to end on their own once a process ended (the chief's
+# final save may take a while), and after a failure (they learn of it at once).
 _PEERS_END_SECS = 30.0
-# The same after a failure: the others learn of it at once, and finish the
-# saves made before it within multihost's bound (10 s).
 _PEERS_FAIL_SECS = 15.0
 
 
@@ -110,16 +95,11 @@ def _run_exit_code(processes, ended_at: dict[int, float], named_failures: tuple[
                    signalled: set[int] | None = None) -> tuple[int, int | None]:
   """The run's exit code, and the index of the process it blames (None if no failure).
 
-  The process that failed first is the cause: the others exit with its code
-  when they learn of it, or are killed. A process killed by a signal that
-  nobody in the run sent (an OOM kill, a crash), ending no later than any
-  process the logs name, is the cause: the peers that then fail name
-  themselves. The launcher's own signals are in `signalled` (None: unknown,
-  any death by signal may be the launcher's), and JAX aborts a process
-  (SIGABRT) whose peer is gone. Otherwise the first process the logs name as
-  failed decides (peers exit within milliseconds of it, too close to tell
-  apart by time); else the first to end, an error exit (code > 0) before a
-  death by signal (code < 0), which may be a consequence.
+  The cause is, in order: a process killed by a signal nobody in the run sent
+  (an OOM kill; not the launcher's, in `signalled`, nor JAX's SIGABRT when a
+  peer is gone) ending no later than any process the logs name; the first
+  process the logs name as failed (peers fail within milliseconds of it); the
+  first to end, an error exit before a death by signal.
   """
   failed = [i for i, p in enumerate(processes) if _failed(p.returncode)]
   named = [i for i in named_failures if i in failed]
@@ -141,13 +121,8 @@ def _run_exit_code(processes, ended_at: dict[int, float], named_failures: tuple[
 
 
 def watch_the_launcher() -> None:
-  """In a process the launcher started: if the launcher dies, ends this
-  process once the launcher's grace has passed since (the process got
-  SIGTERM at its death, and saves and exits 75 within it unless stuck).
-
-  A stuck process would otherwise outlive its launcher, holding its devices
-  and the run's lock against the rerun a scheduler starts.
-  """
+  """In a process the launcher started: once the launcher dies, ends this process
+  after the launcher's grace (a stuck one would hold the run's lock against the rerun)."""
   launcher = os.environ.get(_LAUNCHER_PID_ENV)
   if not launcher or not launcher.isdigit():
     return
@@ -178,14 +153,8 @@ def watch_the_launcher() -> None:
 
 
 def port_in_use(port: int) -> bool:
-  """Whether TCP `port` is in use on this host.
-
-  JAX's coordination service (a gRPC server) listens with SO_REUSEPORT, so
-  on a port another one holds (process 0 of an earlier run still alive, or
-  two processes given id 0) it starts without error; the kernel then splits
-  the processes between the two services, and the run hangs until the join
-  timeout or aborts naming nothing. A bind without SO_REUSEPORT fails there.
-  """
+  """Whether TCP `port` is in use on this host: JAX's coordinator binds with
+  SO_REUSEPORT, so a second one on a taken port starts and the run hangs."""
   # "::" also covers IPv4 on a dual-stack host; without IPv6, 0.0.0.0 decides.
   for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
     try:
@@ -223,9 +192,8 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
                **{_LAUNCHER_PID_ENV: str(os.getpid()), _GRACE_ENV: str(stop_grace_secs)},
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={devices_per_process}"))
-    # In a process group of its own: a Ctrl-C at the terminal reaches the
-    # launcher alone, which passes it on once (a second signal to a process
-    # means "exit now, without saving").
+    # Its own process group: a terminal's Ctrl-C reaches the launcher alone,
+    # which passes it on once (a second signal would mean "exit unsaved").
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         bufsize=1, process_group=0, preexec_fn=_stop_with_the_launcher if _LIBC else None)
@@ -243,8 +211,6 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
   passed_on_at: list[float] = []
 
   def pass_on(signum, frame):
-    # A scheduler's SIGTERM (or a Ctrl-C) to the launcher is a stop request to
-    # every process, which then agree on a step, save it and exit 75.
     del frame
     passed_on_at.append(time.monotonic())
     with lock:

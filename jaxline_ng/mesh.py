@@ -1,20 +1,10 @@
 """Mesh mode: experiments on `jit` + `NamedSharding` instead of pmap.
 
-With `config.placement = "mesh"` the framework builds one `jax.sharding.Mesh`
-over every device of every process from `config.mesh_shape`: axis names and
-sizes in order, one size may be -1 for "all remaining devices". Give it as a
-string, `"data:-1"` or `"data:-1,model:2"` (`--config.mesh_shape=data:-1,model:2`
-on the command line), or as a mapping `{"data": -1, "model": 2}`. Then:
-
-- `step` and `evaluate` receive a scalar `global_step` and a single raw key
-  `rng` (uint32[2]), both replicated over the mesh. Derive per-device
-  randomness inside `shard_map` by folding in `jax.lax.axis_index`.
-- `CHECKPOINT_ATTRS` hold global `jax.Array`s with their own shardings; they
-  are checkpointed whole (no `get_first`) and restored onto the shardings the
-  freshly constructed experiment gave them.
-
-The helpers below give experiment authors the mesh, shardings by partition
-spec, replication, and global batches assembled from per-process data.
+With `config.placement = "mesh"` one `jax.sharding.Mesh` spans every device
+of every process, shaped by `config.mesh_shape` (`"data:-1,model:2"` or
+`{"data": -1, "model": 2}`; -1 is the remaining devices). `step` then gets a
+scalar `global_step` and one replicated key, and `CHECKPOINT_ATTRS` hold global
+arrays, saved whole and restored onto the shardings the new experiment gave them.
 """
 
 import math
@@ -156,9 +146,8 @@ def restore_like(live: Any, saved: Any) -> Any:
       return saved_leaf  # Already placed (a disk checkpoint's arrays, any process count).
     else:
       value = np.asarray(saved_leaf, dtype=dtype)
-    # A value made outside jit and never placed (optax's `count`) stays so: jit
-    # moves it where needed, and one committed to its device would be refused
-    # beside the mesh's arrays in the resumed run.
+    # An uncommitted value (optax's `count`) stays so: committed to one device,
+    # jit would refuse it beside the mesh's arrays.
     return jax.device_put(value, live_leaf.sharding if live_leaf.committed else None)
 
   if live is None:

@@ -1,7 +1,6 @@
 """The files a run's metrics go to: TensorBoard event files and `metrics.jsonl`.
 
-Both writers are synchronous (`writers.AsyncWriter` runs them in the
-background) and check their input alike, so a run logging to both never
+Both writers are synchronous and check their input alike, so a run never
 fails only because TensorBoard is on. Each can `resume` after an interrupted run.
 """
 
@@ -27,8 +26,7 @@ _JSONL_BUFFER_BYTES = 1 << 16
 # How much of the end of `metrics.jsonl` a resume reads at a time.
 _RESUME_READ_BYTES = 1 << 16
 
-# Events TensorFlow's file writer holds before writing them out (and on `flush`,
-# which `writers.AsyncWriter` calls when idle): fewer writes when logging every step.
+# Events TensorFlow's file writer holds before writing them out (or a `flush`).
 _TENSORBOARD_MAX_QUEUE = 1000
 
 # TensorBoardWriter writes its buffered scalar rows once this many wait.
@@ -87,15 +85,11 @@ def _to_image_batch(value: Any, name: str) -> np.ndarray:
 class TensorBoardWriter:
   """Writes TensorBoard event files with `tf.summary`.
 
-  TensorFlow is imported and the event file created at the first write (or
-  `prepare`), so constructing this writer is free. Scalars are the hot path
-  (a run may log every step), and one eager `tf.summary` op per value costs
-  more CPU than a small model's step: rows of the same names are buffered
-  and written by one compiled program per set of names. They are written once
-  `_MAX_BUFFERED_ROWS` wait, before a row of other names or any
-  image/histogram/text (so events stay in step order), and on `flush()`,
-  `close()` and `resume()`. Events reach the disk on `flush()`/`close()`
-  (TensorFlow may write them out earlier).
+  TensorFlow is imported and the log opened at the first write (or `prepare`).
+  One eager `tf.summary` op per value costs more CPU than a small model's step,
+  so scalar rows of the same names are buffered and written by one compiled
+  program per set of names, before any other event (events stay in step order)
+  and on `flush()`, `close()` and `resume()`.
   """
 
   def __init__(self, logdir: str):
@@ -123,8 +117,7 @@ class TensorBoardWriter:
 
     try:
       # TensorFlow must not claim GPU memory that JAX needs, nor CPU time:
-      # its thread pools (sized to the machine, spinning while they wait)
-      # would compete with the training computation for the same cores.
+      # its thread pools would compete with the training computation.
       tf.config.set_visible_devices([], "GPU")
       tf.config.threading.set_intra_op_parallelism_threads(1)
       tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -162,7 +155,7 @@ class TensorBoardWriter:
       self._commit()
 
   def _commit(self) -> None:
-    """Writes the buffered scalar rows, in one call of a compiled program."""
+    """Writes the buffered scalar rows in one call of their compiled program."""
     if not self._rows:
       return
     steps, rows = zip(*self._rows)
@@ -219,13 +212,10 @@ class TensorBoardWriter:
   def resume(self, global_step: int, *, set_aside_past: int | None = None) -> None:
     """Marks a restart after `global_step`: TensorBoard drops earlier runs' points past it.
 
-    TensorBoard's own mechanism: a `SessionLog` START event at step s hides every point
-    at step >= s read before it, except that the first START of a log only marks its
-    beginning. Two are written (a second purge at the same step changes nothing), in a
-    file of their own named to sort after the earlier runs' files; this writer then starts
-    a file that sorts after it (TensorBoard reads a log's files in name order), so this
-    run's points stay. Without earlier event files nothing is written. `set_aside_past` is
-    `JsonlWriter.resume`'s: the event files stay whole, the points are hidden.
+    TensorBoard's own mechanism: a `SessionLog` START at step s hides points at
+    step >= s read before it (a log's first START only marks its beginning, so two
+    are written), in a file sorting after the earlier ones and before this run's
+    next file. `set_aside_past` is `JsonlWriter.resume`'s; event files stay whole.
     """
     del set_aside_past
     self._open()
@@ -263,13 +253,9 @@ class TensorBoardWriter:
 class JsonlWriter:
   """Appends one JSON object per `write_scalars` call to a file, synchronously.
 
-  Each line is `{"step": <int>, "<name>": <number>, ...}`, a scalar itself named "step"
-  written as "scalar/step". Integers stay integers, all else becomes floats; NaN and
-  infinities are written as `NaN`, `Infinity` and `-Infinity`, as Python's `json` does
-  (Python and pandas read them back, strict RFC 8259 parsers do not). Lines reach the
-  file only whole, on `flush()`, `close()` or once `_JSONL_BUFFER_BYTES` accumulate. The
-  file and its directories are created at the first write. Images, histograms and texts
-  are ignored.
+  Each line is `{"step": <int>, "<name>": <number>, ...}` (a scalar named "step"
+  as "scalar/step"; NaN and infinities as Python's `json` writes them). Lines
+  reach the file only whole. Images, histograms and texts are not written.
   """
 
   def __init__(self, path: str):
@@ -285,8 +271,6 @@ class JsonlWriter:
     if not scalars:
       return  # A row of its step alone says nothing; TensorBoard gets no point either.
     if "step" in scalars:
-      # The row's "step" is the global step; a scalar of that name (an
-      # optimizer's own step counter, which jaxline wrote as is) goes beside it.
       scalars = {("scalar/step" if name == "step" else name): value
                  for name, value in scalars.items()}
     if self._file is None:
@@ -303,8 +287,7 @@ class JsonlWriter:
       self.flush()
 
   def write_images(self, global_step: int, images: Mapping[str, Any]) -> None:
-    # Not written here, but refused as TensorBoard would: a run logging to
-    # both must not fail only when TensorBoard is on.
+    # Refused as TensorBoard would refuse them.
     del global_step
     for name, value in images.items():
       _check_image(value, name)
@@ -319,22 +302,17 @@ class JsonlWriter:
     if not self._lines:
       return
     data = b"".join(self._lines)
-    # Dropped before writing: if the write fails part-way, retrying the same
-    # lines would leave a torn line followed by duplicates.
+    # Dropped before writing: a retry after a partial write would duplicate lines.
     self._lines.clear()
     self._buffered_bytes = 0
     with self._naming_the_file():
       if not self._still_at_its_path():
-        # Deleted or moved under the run (its checkpoint_dir removed or
-        # renamed): rows written on would reach no file, or another one than
-        # the run's, whose checkpoints would go on under the old name.
         raise OSError(errno.ENOENT, "moved or deleted while the run was writing it")
       self._file.write(data)
       self._file.flush()
 
   def _still_at_its_path(self) -> bool:
-    """Whether the file open for appending is still the one at its path (a
-    deleted one is not: its inode, held open, cannot be another file's)."""
+    """Whether the file open for appending is still the one at its path."""
     opened = os.fstat(self._file.fileno())
     try:
       at_path = os.stat(self._path)
@@ -352,15 +330,10 @@ class JsonlWriter:
   def resume(self, global_step: int, *, set_aside_past: int | None = None) -> None:
     """Drops rows past `global_step`: an interrupted run's, about to be redone.
 
-    The rows kept stay byte for byte: the file is cut after the last of them,
-    found by reading back from its end (a long run's file is never read
-    whole), so a crash here leaves either the old file or the cut one. A torn
-    last line (the interrupted run died mid-write) goes too.
-
-    Rows past `set_aside_past` are an earlier run's instead, which nothing
-    will redo (its checkpoints deleted, or never durable): the whole file is
-    moved aside, kept, and named in a warning. By default that is any row of
-    a step after 0 when `global_step` is 0: a run starting afresh.
+    The file is cut after the last row kept, found reading back from its end
+    (a torn last line goes too). Rows past `set_aside_past` (default: any, for
+    a fresh start at step 0) are an earlier run's that nothing will redo: the
+    whole file is moved aside instead, named in a warning.
     """
     self.flush()
     if not os.path.exists(self._path):

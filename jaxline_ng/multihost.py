@@ -1,26 +1,11 @@
-"""Helpers for code that runs in every process of a multi-process run, and
-the rule that keeps such a run from deadlocking.
+"""Helpers for code that runs in every process of a multi-process run.
 
-A run spans several processes when the flags of `distributed` ask for it.
-Within a run, `jax.local_devices()` are this process's devices; a pmap maps
-over them and its collectives (`psum`, `pmean`) reduce over every process's
-devices. Process 0 is the chief (`is_chief`).
-
-One rule keeps multi-process runs from deadlocking: every process issues its
-cross-process device collectives in the same order. A collective here is any
-computation over devices of several processes (a jitted step over global
-arrays, `process_allgather`, and `jax.device_put` of a host value onto such
-devices, which checks the value agrees across processes with one). jaxline_ng
-issues them on the training thread only (the thread running `train` or
-`evaluate`, which `own_collectives` names); everything it does across
-processes from other threads (stop agreement, failures, checks, barriers) goes
-through the distributed runtime's key-value store instead (`agreement`). The
-helpers below that run a collective refuse another thread, so a prefetch
-thread that would issue one stops naming it instead of hanging the run.
-
-Starting the runtime (`initialize_if_requested`, `MultihostError`) and the
-agreements (`rendezvous` and what the loops use) are re-exported from the
-modules that own them.
+Every process must issue its cross-process device collectives (a jitted step
+over global arrays, `process_allgather`, `jax.device_put` onto other processes'
+devices) in the same order, or the run deadlocks. jaxline_ng issues them on the
+training thread only (`own_collectives`); other threads agree through the
+runtime's key-value store (`agreement`). The helpers here that run a collective
+refuse another thread, naming it, instead of hanging the run.
 """
 
 import functools
@@ -73,12 +58,8 @@ def _check_collective_thread(what: str) -> None:
 
 
 def host_slice(global_rows: Any) -> Any:
-  """This process's share of arrays whose leading axis spans every device.
-
-  For a global batch of `jax.device_count() * k` rows (or `jax.device_count()`
-  per-device groups) each process keeps its contiguous `1 / process_count`;
-  processes then load only their own data. Raises ValueError if the leading
-  axis does not split evenly.
+  """This process's contiguous `1 / process_count` of arrays whose leading axis
+  spans every device. Raises ValueError if the leading axis does not split evenly.
   """
   count, index = jax.process_count(), jax.process_index()
 
@@ -95,14 +76,11 @@ def host_slice(global_rows: Any) -> Any:
 def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
   """Assembles per-process rows into global `jax.Array`s sharded by `spec` over `mesh`.
 
-  Each process passes its own rows (its `host_slice` of the global batch);
-  the result is the global batch, every process's rows in process order,
-  for jit / shard_map code (pmap code passes local arrays). When `spec`
-  puts rows on a process's devices that another process holds (a mesh
-  whose batch axis does not span the processes, such as `data:1,model:4`
-  over 2 processes, or a replicated batch), every call first gathers all
-  processes' rows, a collective: the training thread may do that, a
-  prefetch thread uses `global_batch_from_every_row` instead.
+  Each process passes its own rows (its `host_slice`); the result holds every
+  process's rows in process order. When `spec` puts on a process's devices rows
+  another process holds (e.g. `data:1,model:4` over 2 processes), each call
+  gathers all rows, a collective: off the training thread use
+  `global_batch_from_every_row`.
 
   Raises:
     CollectiveThreadError: a gather is needed off the training thread.
@@ -129,10 +107,8 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
 def global_batch_from_every_row(batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
   """Global `jax.Array`s sharded by `spec` over `mesh`, from the whole batch.
 
-  Every process passes the same rows (data that is a function of the step
-  and seed); each places only the rows its devices hold. Nothing is
-  communicated, so a prefetch thread may call it, where `jax.device_put` of
-  the batch would check with a collective that the processes agree.
+  Every process passes the same rows and places only those its devices hold:
+  no collective, so a prefetch thread may call it.
   """
   sharding = jax.sharding.NamedSharding(mesh, spec)
 

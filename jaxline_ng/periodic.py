@@ -1,21 +1,10 @@
 """Periodic actions (logging, writing, checkpointing) run between training steps.
 
-`PeriodicAction` keeps jaxline's contract: called after every step with
-`(t, step, scalars)`, it decides whether it is due (every `interval`
-seconds, or at the multiples of `interval` steps, plus the steps of an
-optional growth schedule and an optional final step) and then calls
-`fn(step, scalars)` with the scalars copied to the host and
-`scalars["steps_per_sec"]` added.
-
-With `run_async` the calls run on a background thread (a `background.Worker`),
-in step order. At most `_MOST_BEHIND` due steps wait for it: a writer slower
-than training (a slow network disk) then slows training, instead of growing
-memory without bound and, at a stop, holding up the save for as long as the
-backlog takes to write.
-
-As in jaxline, a subclass may override `_apply_condition(t, step)` (whether
-a step is due) and `_apply_fn(step, steps_per_sec, scalars)` (the action on
-one due step, its scalars on the host).
+`PeriodicAction` keeps jaxline's contract, including its overridable
+`_apply_condition(t, step)` and `_apply_fn(step, steps_per_sec, scalars)`.
+With `run_async` at most `_MOST_BEHIND` due steps wait for the background
+thread: a writer slower than training slows training instead of growing
+memory without bound and holding up the save at a stop.
 """
 
 import functools
@@ -34,10 +23,8 @@ _MOST_BEHIND = 1000
 def make_async(thread_name_prefix: str = ""):
   """Decorator: calls run on one background thread, in call order (a `background.Worker`).
 
-  Each call returns a `concurrent.futures.Future`. Once a call has raised,
-  the function never runs again: the error is logged with its traceback
-  and raised on the caller's thread by every later call (and by the
-  decorated function's `wait()`), so a failure cannot pass unnoticed.
+  Each call returns a `concurrent.futures.Future`. Once a call has raised, the
+  function never runs again, and every later call (and `wait()`) raises the error.
   """
 
   def decorator(fn):
@@ -64,10 +51,8 @@ def _on_growth_schedule(step: int, ratios: Sequence[float]) -> bool:
 
 
 class EveryStepAction:
-  """Base of the loop's own actions that look at every step themselves (the
-  guard, the stop check): `PeriodicAction`'s other methods, doing nothing,
-  because `train_loop` overrides written for jaxline call them on every action.
-  """
+  """Base of the loop's own every-step actions (the guard, the stop check): the
+  other `PeriodicAction` methods, which jaxline-style `train_loop`s call, do nothing."""
 
   def finish(self) -> None:
     pass
@@ -144,18 +129,14 @@ class PeriodicAction:
   def __call__(self, t: float, step: int, scalar_outputs: Any) -> None:
     # `scalar_outputs`: jaxline's name, for callers that pass it by keyword.
     if self._worker is not None:
-      # A failure on the background thread (scalars logging found unloggable)
-      # stops the loop now, not at the next due step, an interval later.
-      self._worker.raise_if_failed()
+      self._worker.raise_if_failed()  # Now, not at the next due step.
     self._last_seen = (t, step, scalar_outputs)
     if self.log_all_data:
       self._unlogged.append((step, scalar_outputs))
     if self._apply_condition(t, step):
       self._act(t, step, scalar_outputs)
     elif self.log_all_data and len(self._unlogged) >= _MOST_BEHIND:
-      # Rows kept for the next due step are handed over before it, so they
-      # count towards the backlog's bound (a long interval would hold an
-      # unbounded backlog, and a stop would wait for all of it).
+      # Handed over early, so they count towards the backlog's bound.
       self._hand_over([(s, None, values) for s, values in self._unlogged])
       self._unlogged = []
 
@@ -170,8 +151,7 @@ class PeriodicAction:
     self._hand_over(due)
 
   def _hand_over(self, due: list[tuple[int, float | None, Any]]) -> None:
-    """Acts on `due` now, or with run_async on the background thread, one
-    call per due step (so the bound counts steps)."""
+    """Acts on `due` now, or on the background thread one call per step (the bound counts steps)."""
     if self._worker is None:
       self._act_on(due)
       return

@@ -8,14 +8,12 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxline_ng import base_config
 
-# The cache the previous run in this process gave JAX, and whether it was
-# the user's own: a later run tells a cache the user set from one of ours.
+# The cache the previous run in this process gave JAX, and whether it was the user's own.
 _previous_cache = {"path": None, "users": False}
 
 
 def _users_cache_dir() -> str | None:
-  """The cache the user gave JAX (`JAX_COMPILATION_CACHE_DIR`, which JAX reads
-  at import, or `jax.config.update`), not one an earlier run here set."""
+  """The cache the user gave JAX (env or `jax.config.update`), not one an earlier run set."""
   current = jax.config.jax_compilation_cache_dir
   if not current or (current == _previous_cache["path"] and not _previous_cache["users"]):
     return None
@@ -26,14 +24,11 @@ _USERS_CACHE = "JAX's compilation cache directory"
 
 
 def compilation_cache_dir(config) -> tuple[str | None, str]:
-  """`(directory, what chose it)` for JAX's persistent compilation cache in
-  `config`'s run; the directory is None when the cache is off.
+  """`(directory or None for off, what chose it)` for JAX's persistent compilation cache.
 
-  Unset, it is the cache the user gave JAX itself (a cluster's shared cache
-  must not be replaced by one per run), else `<checkpoint_dir>/compilation_cache`
-  on accelerators and none on the CPU backend. What chose it (a config key
-  and its value, or `_USERS_CACHE`) is the culprit an error names. The
-  config's paths are absolute by now (`config_loading.make_paths_absolute`).
+  Unset, it is the cache the user gave JAX itself (a cluster's shared cache),
+  else `<checkpoint_dir>/compilation_cache` off CPU. What chose it is the
+  culprit an error names.
   """
   given = config.compilation_cache_dir
   if given is not None:
@@ -42,9 +37,7 @@ def compilation_cache_dir(config) -> tuple[str | None, str]:
   if users:
     return users, _USERS_CACHE
   if jax.default_backend() == "cpu":
-    # JAX's CPU collectives can crash (a segfault, or a failed rendezvous check
-    # in an all-reduce) once the persistent cache is on, under jaxline too: on
-    # CPU the cache is only where the user asks for it.
+    # JAX's CPU collectives can crash with the persistent cache on (under jaxline too).
     return None, "the CPU backend"
   return (os.path.join(config.checkpoint_dir, "compilation_cache"),
           f"config.checkpoint_dir={config.checkpoint_dir!r}")
@@ -52,9 +45,6 @@ def compilation_cache_dir(config) -> tuple[str | None, str]:
 
 def enable_compilation_cache(config) -> None:
   """Points JAX's persistent compilation cache at the run's directory (before anything compiles).
-
-  A restarted run, and the eval job beside it, then load the programs the
-  first process compiled instead of compiling them again.
 
   Raises:
     ConfigError: the directory cannot be written (JAX would only warn, at
@@ -69,8 +59,7 @@ def enable_compilation_cache(config) -> None:
     except OSError as e:
       raise base_config.ConfigError(
           f"{chosen_by}: cannot write {path}: {e.strerror or e}") from None
-  # JAX opens its cache at the first compilation after it is set, once: a
-  # run (the second in a program, or after the user's code set it) reopens it.
+  # JAX opens its cache once, at the first compilation: a later run reopens it.
   compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", path)
   _previous_cache.update(path=path, users=chosen_by == _USERS_CACHE)

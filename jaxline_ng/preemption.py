@@ -1,24 +1,12 @@
 """Graceful stops: SIGTERM/SIGINT or a time budget end training, saved.
 
-The first signal asks the run to stop: the training loop finishes the step
-in flight, `train` saves `latest`, waits for the save, flushes the writers,
-and the process exits with `EXIT_PREEMPTED` (`EXIT_STOPPED_UNSAVED` where a
-rerun cannot resume: `set_resumable`). A second signal, in any phase (the
-final save and flush included), exits at once, with the same code; a
-checkpoint being written then is left incomplete and ignored on restore.
-Signals that arrive together (a signal delivered twice, SIGTERM with SIGINT)
-count once, and one arriving as a stopped process exits keeps its exit code.
-
-The loop learns of the request through a periodic action (`StopCheck`), so
-experiments that override `train_loop` stop too, as long as they call their
-periodic actions after each step as jaxline's loop does.
-
-In a multi-process run every stop request is a preemption notice to JAX's
-preemption service (`agreement.stop_agreed`): SIGTERM reaches JAX's own
-handler, and Ctrl-C or the wall-clock budget give the notice themselves.
-The processes agree on a step, each stops after it, and the chief saves it.
-A second SIGTERM changes nothing there (JAX's handler keeps the notice); the
-scheduler's kill after its grace period ends the processes.
+The first signal asks the run to stop after the step in flight; `train` saves
+`latest`, flushes, and the process exits `EXIT_PREEMPTED` (`EXIT_STOPPED_UNSAVED`
+where a rerun cannot resume). A second signal, in any phase, exits at once with
+the same code; signals arriving together count once. The loop learns of the
+request through a periodic action (`StopCheck`), so overridden `train_loop`s
+stop too. In a multi-process run every request is a preemption notice to JAX's
+preemption service, and the processes stop after the step they agree on.
 """
 
 import atexit
@@ -32,12 +20,10 @@ from absl import logging
 
 from jaxline_ng import agreement, base_config, distributed, periodic
 
-# EX_TEMPFAIL from sysexits.h: "try again later". A scheduler script can
-# requeue a job that exits with it; the rerun resumes from `latest`.
+# EX_TEMPFAIL ("try again later"): a scheduler may requeue; the rerun resumes.
 EXIT_PREEMPTED = 75
-# A stopped training run that a rerun cannot resume (its checkpoints were in
-# memory): the code of a process SIGTERM ended, which a scheduler requeueing
-# on 75 leaves alone rather than restart from step 0 again and again.
+# A stop a rerun cannot resume (in-memory checkpoints): SIGTERM's own code, so
+# a scheduler requeueing on 75 does not restart from step 0 again and again.
 EXIT_STOPPED_UNSAVED = 143
 _exit_code = [EXIT_PREEMPTED]
 
@@ -45,9 +31,8 @@ _stop_requested = threading.Event()
 _reason = ["signal"]
 # Whether SIGTERM is left to JAX's preemption service (`stop_on_signals`).
 _notice_through_jax = [False]
-# Set by the first signal and kept while the run saves and flushes (when
-# the stop request itself is consumed), so a second signal is recognised in
-# every phase. Cleared only by `stop_on_signals`.
+# Set by the first signal and kept through the final save, so a second one is
+# recognised in every phase.
 _signalled = threading.Event()
 # Signals arriving this soon after the one acted on are the same request (`_watch_signals`).
 _SAME_REQUEST_SECS = 0.5
@@ -111,14 +96,11 @@ def consume_stop_request() -> None:
 def _act_on_signal(signum: int) -> None:
   name = signal.Signals(signum).name
   if _signalled.is_set():
-    # The run was asked to stop, so the code says so too (a requeueing
-    # scheduler treats it like the first stop); the save in progress is
-    # left incomplete and ignored on restore.
+    # The save in progress is left incomplete, and ignored on restore.
     logging.warning("[jaxline_ng] Second %s: exiting now with code %d.", name, exit_code())
     logging.flush()
     if distributed.is_multiprocess():
-      # The others would wait for this process in their next collective until
-      # JAX's heartbeat aborts them: they are told, and exit with the same code.
+      # Else the others would wait for it until JAX's heartbeat aborts them.
       agreement.publish_failure(f"a second {name} ended it at once", exit_code())
       agreement.exit_after_failure(exit_code())
     os._exit(exit_code())  # pylint: disable=protected-access
@@ -132,19 +114,12 @@ def _act_on_signal(signum: int) -> None:
 def _watch_signals(read_fd: int, handled: frozenset, forward_fd: int) -> None:
   """Acts on each handled signal as soon as it arrives; ends when `read_fd` closes.
 
-  Python runs signal handlers on the main thread only, between bytecodes. The
-  OS may deliver a signal to any thread, and then a main thread blocked in a
-  sleep, a lock or a C call (a slow save, an eval job's wait) is not woken: the
-  signal would be acted on only when the block ends. Python's C-level handler
-  writes the signal's number to the wake-up fd at once, on whichever thread
-  the signal came, so this thread reads it and acts.
+  Python's handlers run on the main thread, which a blocking C call (a slow
+  save, an eval job's wait) may hold for long; the wake-up fd hears of the
+  signal at once, on any thread.
   """
-  # A signal sent twice at once is one request: coreutils' `timeout` signals
-  # its child and then its process group, and on a loaded machine the second
-  # arrives milliseconds later; acted on as another signal, it would exit
-  # without the final save. So are SIGTERM and SIGINT sent together (a
-  # scheduler's and a terminal's). A person, or a program that waits for the
-  # first to be acted on, sends a second one later.
+  # Signals together are one request: `timeout` signals its child, then its
+  # group, milliseconds apart; a second stop would exit without the final save.
   same_request_until = -1.0
   while data := os.read(read_fd, 64):
     if forward_fd != -1:  # Whoever set the wake-up fd before still hears of every signal.
@@ -167,11 +142,8 @@ _held: list = [None]
 
 
 def _noted(signum, frame) -> None:
-  """The Python-level handler, on the main thread: `_watch_signals` acts on the
-  signal, unless code run since took the wake-up fd (an asyncio loop's
-  `add_signal_handler` does, and leaves -1 when the loop closes). Then the
-  watcher never heard of it, and it is acted on here; a -1 is taken back.
-  """
+  """The Python-level handler: `_watch_signals` acts on the signal, unless code
+  since took the wake-up fd (asyncio does); then it is acted on here."""
   del frame
   if _held[0] is None:
     return
@@ -192,19 +164,15 @@ def _exit_preempted(signum, frame) -> None:
 
 
 def _ignore_at_exit(signums: tuple[int, ...]) -> None:
-  """At exit, after a stop a signal asked for: the interpreter resets Python's
-  handlers to the default as it shuts down, and a signal in the fraction of a
-  second left would end the process with it, not the stop's code. An ignored signal stays
-  ignored to the end."""
+  """At exit after a signalled stop: the interpreter resets handlers as it shuts
+  down, and a late signal would replace the stop's exit code."""
   for signum in signums:
     signal.signal(signum, signal.SIG_IGN)
 
 
 def _release_in_forked_child() -> None:
-  """A child forked during the run (multiprocessing's default on Linux: data
-  loaders, pools) has no watcher thread but shares the pipe: its signals would
-  stop the parent's run, and it would ignore them. It gets the handlers and
-  wake-up fd of before the run back."""
+  """A forked child (a data loader) has no watcher but shares the pipe: it gets
+  the handlers and wake-up fd of before the run back."""
   held, _held[0] = _held[0], None
   if held is None:
     return
@@ -224,11 +192,9 @@ os.register_at_fork(after_in_child=_release_in_forked_child)
 def stop_on_signals(sigterm_to_jax: bool = False):
   """Within the block, SIGTERM and SIGINT request a stop; handlers restored after.
 
-  A signal the program already handles itself (or ignores) keeps its
-  handler. Clears an earlier request first. Signal handlers can only be installed from
-  the main thread; elsewhere the block runs with the handlers it has. With
-  `sigterm_to_jax` (training in a multi-process run) SIGTERM stays with JAX's
-  preemption service, and a stop request gives it the notice.
+  A signal the program handles itself keeps its handler; off the main thread
+  nothing is installed. With `sigterm_to_jax` (multi-process training) SIGTERM
+  stays with JAX's preemption service.
   """
   _stop_requested.clear()
   _signalled.clear()
@@ -258,8 +224,7 @@ def stop_on_signals(sigterm_to_jax: bool = False):
     _notice_through_jax[0] = False
     _held[0] = None
     for signum, handler in previous.items():
-      # After a stop a signal asked for, the process exits in a moment with
-      # the stop's code: one more signal must not make that its own.
+      # After a signalled stop, one more signal must not change the exit code.
       signal.signal(signum, _exit_preempted if _signalled.is_set() else handler)
     if _signalled.is_set() and previous:
       atexit.register(_ignore_at_exit, tuple(previous))
@@ -270,18 +235,11 @@ def stop_on_signals(sigterm_to_jax: bool = False):
 
 
 class StopCheck(periodic.EveryStepAction):
-  """A periodic action that raises `Preempted` once a stop was requested.
+  """A periodic action that raises `Preempted` once a stop was requested (in a
+  multi-process run, at the agreed step, counted from `start_step`).
 
-  Runs after the state already counts the finished step, so what `train`
-  saves next is exactly the state after that step. With `budget_secs`, it
-  also requests the stop itself once that much time has passed since it was
-  made (`config.wall_clock_budget_secs`); in a multi-process run the chief's
-  clock alone decides.
-
-  In a multi-process run it raises at the step the processes agreed on;
-  `start_step` (the step this run resumed from, the same on every process)
-  tells JAX's sync point where the count starts, so a notice given before
-  the first step stops the run after it.
+  With `budget_secs` it requests the stop itself once that much time has
+  passed (`config.wall_clock_budget_secs`; the chief's clock decides).
   """
 
   def __init__(self, budget_secs: float | None = None, start_step: int = 0):

@@ -19,10 +19,8 @@ _producers: set[tuple[threading.Event, threading.Thread]] = set()
 
 @atexit.register
 def _stop_producers() -> None:
-  # A daemon thread still inside native code (a jaxlib pytree function) when
-  # the interpreter finalises is unwound by `pthread_exit`, which nanobind's
-  # catch-all swallows: the process aborts (exit 134) instead of exiting with
-  # its own code. A producer stops between items, so this waits for one item.
+  # A daemon thread inside native code at finalisation aborts the process
+  # (exit 134): producers stop between items, so this waits for one item.
   for stop, _ in list(_producers):
     stop.set()
   for _, thread in list(_producers):
@@ -33,12 +31,8 @@ def py_prefetch(iterable_function: Callable[[], Iterable[Any]], buffer_size: int
                 thread_name: str | None = None) -> Iterator[Any]:
   """Iterates `iterable_function()` on a background thread, `buffer_size` ahead.
 
-  Python-side input work (decoding, augmentation in numpy) then overlaps with
-  the training step. As in jaxline, `buffer_size` counts the element the
-  consumer holds, so it must be at least 2 (a ValueError at the first
-  `next()`). An exception raised by the producer is raised again by the
-  consumer's `next()`, with its original traceback. `thread_name` names the
-  producing thread.
+  As in jaxline, `buffer_size` counts the element the consumer holds (at least
+  2). The producer's exception is raised again by the consumer's `next()`.
   """
   if buffer_size <= 1:
     raise ValueError(f"py_prefetch: buffer_size={buffer_size} must be > 1 (it counts the "
@@ -80,11 +74,7 @@ def py_prefetch(iterable_function: Callable[[], Iterable[Any]], buffer_size: int
 
 
 def double_buffer(ds: Iterable[Any]) -> Iterator[Any]:
-  """Puts each batch on the devices one step early, split along axis 0.
-
-  Batches have a leading axis of size `jax.local_device_count()`; the copy of
-  batch n+1 overlaps with the step that consumes batch n.
-  """
+  """Puts each batch (leading axis: the local devices) on the devices one step early."""
   batches = iter(ds)
   try:
     next_on_device = devices.put_per_device(next(batches))

@@ -1,11 +1,7 @@
 """A JAX profiler trace of a chosen window of training steps.
 
-`config.profile_steps = (first, stop)` traces the steps called with
-`global_step` first, first + 1, ..., stop - 1 into
-`<checkpoint_dir>/<mode>/profile` (open it with TensorBoard's profile
-plugin, or the `.trace.json.gz` in Perfetto). Each step is a
-`StepTraceAnnotation` named "train" with its `step_num`, so step boundaries
-show in the trace.
+`config.profile_steps = (first, stop)` traces steps first..stop-1 into
+`<checkpoint_dir>/<mode>/profile` (TensorBoard's profile plugin, or Perfetto).
 """
 
 import os
@@ -18,11 +14,8 @@ from jaxline_ng import periodic
 
 
 class ProfileWindow(periodic.EveryStepAction):
-  """Starts the trace before step `first` runs and stops it after step `stop - 1`.
-
-  Used as a periodic action: it is called after each step with the number of
-  steps completed, which is the `global_step` of the step about to run.
-  """
+  """Starts the trace before step `first` runs and stops it after step `stop - 1`
+  (called after each step with the steps completed: the next step's `global_step`)."""
 
   def __init__(self, first: int, stop: int, logdir: str, steps_completed: int):
     self._first, self._stop, self._logdir = first, stop, logdir

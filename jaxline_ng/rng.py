@@ -1,23 +1,10 @@
-"""Random keys for training and evaluation, specialised per host and device.
+"""Random keys for training and evaluation, specialised per host and device (jaxline's streams).
 
-A random mode is `<host>_host_<device>_device` with each part `unique` or
-`same`: `unique_host_unique_device` gives every device of every process its
-own key, `same_host_same_device` gives all of them the same key. Keys are raw
-`uint32[2]` keys (what `jax.random.PRNGKey` returns).
-
-The streams are jaxline's. The seed's key is split into the training chain
-and the experiment's `init_rng` (both are the seed's key with
-`legacy_random_seed_behavior`). The chain is replicated on every device
-(`AbstractExperiment.initialize_train_step_rng`); each step splits it into the
-step's key, then specialised per host and device by `random_mode_train`, and
-the chain of the next step. Evaluation gets the seed's key, specialised by
-`random_mode_eval`, at every call.
-
-Because the chain is the same on every device, a checkpointed chain resumes
-on any number of devices: the step keys after the restored step are exactly
-those of an uninterrupted run whenever the process and device counts are
-the same, and on another topology each device still gets its own
-deterministic key.
+A random mode is `<unique|same>_host_<unique|same>_device`. The seed's key is
+split into the training chain and `init_rng`; each step splits the chain,
+replicated on every device, into the step's key (specialised by
+`random_mode_train`) and the next chain. Evaluation gets the seed's key,
+specialised by `random_mode_eval`. A replicated chain resumes on any topology.
 """
 
 import enum
@@ -68,11 +55,8 @@ def host_id_devices_for_rng(mode: str = "unique_host_unique_device"):
 
 def specialize_rng_host_device(rng, host_id, axis_name: str,
                                mode: str = "unique_host_unique_device"):
-  """Folds the host id and/or device index into `rng` as `mode` says.
-
-  Call inside a pmap over `axis_name` (jaxline's contract); `host_id` is this
-  device's entry of `host_id_devices_for_rng(mode)`, or None.
-  """
+  """Folds the host id and/or device index into `rng` as `mode` says (jaxline's
+  function, called inside a pmap over `axis_name`)."""
   check_random_mode(mode, "random_mode")
   if mode.startswith("unique_host_") and host_id is None:
     raise ValueError(f"random mode {mode!r} needs a host id")
@@ -109,8 +93,10 @@ def replicate_key(key):
   return devices.placed_from_host(key, mesh_lib.replicate)
 
 
-def _split_once(chain, mode: str, process: int):
+@debugging.compiled(static_argnames=("mode", "process"))
+def _split_step(chain, mode: str, process: int):
   """`(step key, next chain)`: jaxline's split, the step key specialised by `mode`."""
+  check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
   # Mesh mode: one global key, per-device keys the step's business. A raw key
   # has a trailing axis of 2 that a typed key lacks.
   if chain.ndim == (0 if devices.is_typed_key(chain) else 1):
@@ -123,24 +109,6 @@ def _split_once(chain, mode: str, process: int):
   return step_keys, children[:, 1]
 
 
-# Steps whose keys one dispatch computes: a dispatch costs the training thread
-# far more than the ready arrays it hands out (see the loop benchmark).
-STEPS_PER_DISPATCH = 32
-
-
-@debugging.compiled(static_argnames=("mode", "process", "num_steps"))
-def _split_steps(chain, mode: str, process: int, num_steps: int):
-  check_random_mode(mode, "random_mode_train")  # Once per compilation, not per step.
-
-  def one_step(current, _):
-    step_key, next_chain = _split_once(current, mode, process)
-    return next_chain, (step_key, next_chain)
-
-  _, (step_keys, chains) = jax.lax.scan(one_step, chain, length=num_steps)
-  # One array per step, so handing a step its keys needs no further dispatch.
-  return [step_keys[i] for i in range(num_steps)], [chains[i] for i in range(num_steps)]
-
-
 class StepKeys:
   """Hands each training step its key and the chain key after it.
 
@@ -148,24 +116,13 @@ class StepKeys:
   from `chain` (`state.train_step_rng`): `[local devices, 2]` in pmap mode,
   one key in mesh mode. The step's key is specialised by `mode`
   (`config.random_mode_train`; in mesh mode only its host part applies).
-  The keys of `STEPS_PER_DISPATCH` steps come from one dispatch; a chain
-  other than the one handed out last (a restore, or code that sets
-  `state.train_step_rng`) starts a new block from it, so the keys always
-  follow from the chain given.
   """
 
   def __init__(self, mode: str):
     self._mode = mode
-    self._ready: list[tuple[jax.Array, jax.Array]] = []
-    self._handed_out = None
 
   def next(self, chain):
-    if chain is not self._handed_out or not self._ready:
-      step_keys, chains = _split_steps(chain, mode=self._mode, process=jax.process_index(),
-                                       num_steps=STEPS_PER_DISPATCH)
-      self._ready = list(zip(step_keys, chains))[::-1]
-    step_rng, self._handed_out = self._ready.pop()
-    return step_rng, self._handed_out
+    return _split_step(chain, mode=self._mode, process=jax.process_index())
 
 
 def _host_part_only(mode: str) -> str:
@@ -183,14 +140,11 @@ def check_mesh_random_mode(mode: str, config_key: str) -> None:
 
 
 def place_chain(value, like=None):
-  """A restored chain key placed for this run's topology.
+  """A restored chain key placed for this run's topology, typed as `like` (else `value`).
 
-  A chain saved on another number of devices (or in the other placement)
-  continues from its first row when all of its rows are equal, as the
-  default `initialize_train_step_rng` makes them; per-device chains of an
-  overridden `initialize_train_step_rng` resume only on as many devices.
-  The result holds typed keys if `like` (the run's own chain) does, raw
-  ones if it does not; without `like`, as `value` does.
+  A chain saved on another device count continues from its first row when all
+  rows are equal (the default); differing per-device chains resume only on as
+  many devices.
   """
   typed = like if like is not None else value
   if devices.is_typed_key(value):
@@ -235,12 +189,8 @@ MAX_STEP = int(np.iinfo(np.int32).max)
 
 
 def step_counter(global_step: int):
-  """`global_step` as a step receives it: a host `int32[local devices]` (pmap;
-  `global_step[0]` is free) or an `int32` scalar (mesh mode).
-
-  A new array each step, so a step may change it in place (`global_step += 1`
-  rebound jaxline 0.0.8's device array) without changing the loop's count.
-  """
+  """`global_step` as a step receives it: a new host `int32[local devices]` (pmap)
+  or `int32` scalar (mesh mode), so a step changing it leaves the loop's count."""
   if mesh_lib.active_mesh() is not None:
     return np.int32(global_step)
   return np.full(jax.local_device_count(), global_step, np.int32)

@@ -1,28 +1,11 @@
 """One run at a time per checkpoint directory: locks held for a run's lifetime.
 
-Two runs writing one `checkpoint_dir` delete each other's temporary save
-directories and interleave one metrics.jsonl. So a run locks what it
-writes, by role, in `<checkpoint_dir>/<role>/run.lock` (beside the role's
-`run.json` and metrics):
-
-- `train` (modes `train` and `train_eval_multithreaded`): the `latest`
-  checkpoints and `<checkpoint_dir>/train/`;
-- `eval`, `eval_<name>` (that mode, and `train_eval_multithreaded` for
-  `eval`): the evaluator's `<checkpoint_dir>/<mode>/` and `best` checkpoints.
-
-A separate eval job therefore runs beside its training run (it only reads
-`latest`), while a second training run, or a second evaluator of the same
-mode, is refused at start, with the holder's host and process id. Only the
-chief process of a multi-process run takes the locks: the others write
-under it.
-
-The lock is `flock` on the file, which the kernel releases when its holder
-dies however it dies, so a lock can never outlive its process; the file
-names the holder for the refusal message, and a name left in it means the
-holder ended without releasing: the next run takes over, with a warning.
-Across hosts this relies on the shared filesystem supporting `flock` (NFS
-does, as POSIX locks); where it does not, only runs on one host exclude
-each other.
+Two runs writing one `checkpoint_dir` would delete each other's temporary saves
+and interleave metrics, so a run's chief locks `<checkpoint_dir>/<role>/run.lock`
+per role it writes (`train`; `eval` or `eval_<name>`): an eval job runs beside
+its training run, a second of either is refused naming the holder. The lock is
+`flock`, released by the kernel however the holder dies; a name left in the
+file means it ended without releasing, and the next run takes over with a warning.
 """
 
 import contextlib
@@ -105,9 +88,7 @@ def _release(fd: int) -> None:
 
 
 def holder(checkpoint_dir: str, role: str) -> str | None:
-  """Who holds `role`'s lock on `checkpoint_dir`, or ended without releasing
-  it (its file names them), described; None if no one. Read only, so no run
-  is kept out."""
+  """Who holds (or died holding) `role`'s lock on `checkpoint_dir`, or None; read only."""
   try:
     fd = os.open(os.path.join(checkpoint_dir, role, "run.lock"), os.O_RDONLY)
   except FileNotFoundError:

@@ -1,11 +1,8 @@
 """What a run was: `<checkpoint_dir>/<mode>/run.json`, and config drift on resume.
 
-The record holds the resolved config, the command line, versions of
-jaxline_ng / JAX / jaxlib, the devices and processes, and the git commit of
-the working directory (when it is a git checkout). Each checkpoint carries
-the flattened config it was made with (the state's `run_config`), so a
-resumed run can say which keys differ — or refuse, with
-`config.strict_resume_config`.
+The record holds the resolved config, command line, versions, devices and
+git commit. Each checkpoint carries its flattened config, so a resumed run
+says which keys differ (or refuses, with `config.strict_resume_config`).
 """
 
 import datetime
@@ -23,13 +20,9 @@ import ml_collections
 
 import jaxline_ng
 
-# CPython's default repr of an object ("<function f at 0x7f...>") holds its
-# address, which differs in every process: a config holding functions or
-# objects must compare equal to itself on resume and across processes.
+# An object's default repr holds its address, which differs in every process.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-# Where a run lives, where its compiled programs are cached and how strictly
-# it compares are not what it computes: a moved run directory or cache, or
-# turning the strict check on, is no difference.
+# Where a run lives and how strictly it compares are not what it computes.
 _NOT_COMPARED = frozenset(("checkpoint_dir", "compilation_cache_dir", "strict_resume_config"))
 
 
@@ -89,12 +82,8 @@ def record(config, mode: str) -> dict[str, Any]:
 
 
 def write(config, mode: str, logdir: str) -> str:
-  """Writes `<logdir>/run.json` and returns its path.
-
-  An earlier launch's record is kept as `run.<its start time>.json`: the
-  launch that made the checkpoints may not be the newest one (a launch
-  refused for a changed config wrote over it).
-  """
+  """Writes `<logdir>/run.json` and returns its path; an earlier launch's record
+  is kept as `run.<its start time>.json` (it may be the one that made the checkpoints)."""
   os.makedirs(logdir, exist_ok=True)
   path = os.path.join(logdir, "run.json")
   if os.path.exists(path):
@@ -116,8 +105,7 @@ def same_value(a: Any, b: Any) -> bool:
   return json.dumps(a) == json.dumps(b)
 
 
-# A value longer than this (a dataclass's repr is thousands of characters) is
-# shown from a little before to a little after where the two differ.
+# A longer value (a dataclass's repr) is shown around where the two differ.
 _LONGEST_SHOWN = 100
 _CONTEXT = 30
 

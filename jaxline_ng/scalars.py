@@ -5,7 +5,6 @@ output the experiment did not reduce with `get_first`), of which the first
 device's is logged. Anything else is a `ScalarsError` naming the key.
 """
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,21 +23,9 @@ class ScalarsError(ValueError, errors.OneLineError):
 _UNLOGGABLE_KINDS = "cSUO"
 
 
-@functools.cache
-def _per_device_lengths() -> tuple[int, ...]:
-  """Lengths of one value per device: per local device from pmap, per device of a mesh."""
-  return (jax.local_device_count(), jax.device_count())
-
-
 def _scalar_problem(name: Any, value: Any) -> str | None:
-  """Why `value` is not a loggable scalar named `name`, or None if it is.
-
-  A scalar is a number, or one per device: a pmap output the experiment did
-  not reduce with `get_first`, or one value copied per device (`global_step`,
-  a schedule of it), named by a string. A vector whose length merely equals
-  the device count (per-class values) is none. Reads (and waits for) only
-  vectors of that length not laid out one per device.
-  """
+  """Why `value` is not a loggable scalar named `name`, or None if it is: a
+  number, or one per device (a pmap output, or one value copied per device)."""
   if not isinstance(name, str):
     return f"has a name of type {type(name).__name__}, not a string"
   if isinstance(value, (int, float)):
@@ -52,12 +39,11 @@ def _scalar_problem(name: Any, value: Any) -> str | None:
     return f"has dtype {dtype}"
   if not shape or shape == (1,):
     return None
-  if len(shape) == 1 and shape[0] in _per_device_lengths():
+  # One value per device: per local device from pmap, per device of a mesh.
+  if len(shape) == 1 and shape[0] in (jax.local_device_count(), jax.device_count()):
     if devices.one_row_per_device(value):
       return None
-    # One value copied per device (`global_step` on the host, a schedule of
-    # it): the first is all of them. Other values are a vector's (per-class
-    # values), whose first would be logged as if it were the whole.
+    # Copied per device, the first is all of them; a vector's (per-class) is not.
     if devices.equal_rows(value):
       return None
     return (f"is a vector of {shape[0]} differing values, not one per device (its first alone "
@@ -90,12 +76,8 @@ def check_scalars(steps: Sequence[Mapping[str, Any]], producer: str) -> None:
 
 
 def host_scalars_of_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  """Training steps' outputs as host numbers for logging.
-
-  A value may be a scalar or one copy per local device (a pmap output the
-  experiment did not reduce with `get_first`); the first device's copy is
-  taken then. Anything else is a ScalarsError naming the scalar.
-  """
+  """Training steps' outputs as host numbers for logging (the first device's of
+  per-device values); anything else is a ScalarsError naming the scalar."""
   check_scalars(steps, "step()")
   return [numbers(devices.first_copy_to_host(dict(scalars))) for scalars in steps]
 

@@ -2,10 +2,9 @@
 
     python -m jaxline_ng.summary /tmp/my_run
 
-Prints where the TensorBoard logs, `metrics.jsonl` files and checkpoints
-are, the last step logged per mode, and the best value of the run's
-`best_model_eval_metric` per evaluator (read from `run.json` and `eval*/metrics.jsonl`).
-Exits non-zero with one line when the directory holds no run.
+Prints where the logs and checkpoints are, the last step logged per mode and
+each evaluator's best `best_model_eval_metric`; exits non-zero with one line
+when the directory holds no run.
 """
 
 import json
@@ -51,16 +50,6 @@ def _read_config(path: str) -> dict[str, Any]:
   return record.get("config", {})
 
 
-def _best(records: list[dict[str, Any]], metric: str,
-          higher_is_better: bool) -> dict[str, Any] | None:
-  finite = [r for r in records if isinstance(r.get(metric), (int, float)) and
-            math.isfinite(r[metric])]
-  if not finite:
-    return None
-  choose = max if higher_is_better else min
-  return choose(finite, key=lambda r: r[metric])
-
-
 def summarize(checkpoint_dir: str) -> list[str]:
   """The summary's lines; raises FileNotFoundError if there is no run there."""
   modes = sorted(name for name in os.listdir(checkpoint_dir)
@@ -88,8 +77,10 @@ def summarize(checkpoint_dir: str) -> list[str]:
     # Each evaluator has its own best: eval_<name> modes evaluate other data.
     evaluators = [mode for mode in modes if mode.startswith("eval")]
     for mode in evaluators:
-      best = _best(records_of[mode], metric, higher)
-      if best is not None:
+      finite = [r for r in records_of[mode]
+                if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
+      if finite:
+        best = (max if higher else min)(finite, key=lambda r: r[metric])
         of_mode = f" ({mode})" if len(evaluators) > 1 else ""
         lines.append(f"Best {metric}{of_mode}: {best[metric]:.4f} at step {best['step']}")
 

@@ -1,19 +1,13 @@
 """jaxline's `utils` names, re-exported from the modules that own them.
 
-Published experiments import these from `jaxline.utils`; with jaxline_ng
-only the import changes. New code may import from the owning modules.
-This module owns nothing: `GLOBAL_CHECKPOINT_DICT`, the in-memory checkpoint
-series, belongs to `checkpointing`; published code and tests rebind it as
-`utils.GLOBAL_CHECKPOINT_DICT = {}`, and that rebinds it in `checkpointing`
-too (`_RebindsCheckpointDict`).
+Published experiments import these from `jaxline.utils`. Rebinding
+`utils.GLOBAL_CHECKPOINT_DICT` rebinds `checkpointing`'s too (`_RebindsCheckpointDict`).
 """
 
 import sys
 import types
 
-# jaxline's utils module had these as attributes, and tests written for it
-# patch through them: `mock.patch.object(utils.jax, "process_index", ...)`,
-# `mock.patch("jaxline.utils.logging.info")`; `utils.chex` is below.
+# Tests written for jaxline patch through these: `mock.patch.object(utils.jax, ...)`.
 import jax
 from absl import logging  # noqa: F401
 
@@ -49,9 +43,7 @@ def __getattr__(name: str):
 
 
 class _RebindsCheckpointDict(types.ModuleType):
-  """This module, whose `GLOBAL_CHECKPOINT_DICT` rebinds `checkpointing`'s too
-  (by assignment, `monkeypatch.setattr` or `mock.patch`), where the
-  in-memory checkpointer reads it."""
+  """This module, whose `GLOBAL_CHECKPOINT_DICT` rebinds `checkpointing`'s too."""
 
   def __setattr__(self, name: str, value) -> None:
     super().__setattr__(name, value)
@@ -59,8 +51,6 @@ class _RebindsCheckpointDict(types.ModuleType):
       checkpointing.GLOBAL_CHECKPOINT_DICT = value
 
 
-# A module's class may be set to a subclass of ModuleType (Python's data model,
-# "Customizing module attribute access").
 sys.modules[__name__].__class__ = _RebindsCheckpointDict
 
 

@@ -2,21 +2,12 @@
 
     python -m jaxline_ng.verify_resume [--steps=N] [--interrupt_at=K] -- COMMAND...
 
-COMMAND is the run's own command line (`python experiment.py --config=...`,
-overrides included, or a `python -m jaxline_ng.launch ... -- python ...`
-multi-process one). It is run three times with disk checkpoints in
-directories of this tool's own (`--workdir`, else a temporary one):
-uninterrupted to step N; stopped after step K as a preemption stops it
-(saved, exit 75; `preemption.STOP_AFTER_STEP_ENV` tells every process the
-step); and that run rerun, resuming, to step N. Then the two final
-checkpoints are compared entry by entry, bit for bit (arrays, plain values,
-iterator positions, the key chain), and so are the metrics rows of the steps
-after K. The run's config and saving clock, which name its directory and
-times, are left out, as is `steps_per_sec`.
-
-Prints `exact` and exits 0; names the first entry (and metrics step) that
-differs and exits 1; exits 2 when a run fails (its error shown) or the
-arguments are wrong.
+COMMAND (a run's command line, or a `jaxline_ng.launch` one) runs three times
+with disk checkpoints in `--workdir`: uninterrupted to step N; stopped after
+step K as a preemption stops it; and that run resumed to N. The final
+checkpoints are compared bit for bit entry by entry, and the metrics rows after
+K (but the run's config, clock and `steps_per_sec`). Prints `exact` and exits
+0; names the first difference and exits 1; exits 2 when a run fails.
 """
 
 import argparse
@@ -48,8 +39,7 @@ class _RunFailed(Exception):
 
 
 def _overrides(checkpoint_dir: str, steps: int) -> list[str]:
-  """What every run gets after COMMAND: disk checkpoints in `checkpoint_dir`, N
-  steps, saves only at the end and on a stop, a metrics row every step."""
+  """What every run gets after COMMAND: saves only at the end and on a stop, a row every step."""
   return [f"--config.checkpoint_dir={checkpoint_dir}", "--config.checkpointer=disk",
           f"--config.training_steps={steps}", "--config.save_checkpoint_interval=0",
           "--config.log_train_data_interval=1", "--config.logging_interval_type=steps"]

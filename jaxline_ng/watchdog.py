@@ -1,13 +1,8 @@
 """A watchdog for stuck training: a run whose steps stop finishing ends, saying where.
 
-A step that never returns (a collective a peer never joins, a data source
-that blocks forever, a deadlock in user code) would hold its devices until a
-person notices. `StepWatchdog` is one of the loop's periodic actions: when no
-step has finished for `config.step_timeout_secs`, it logs the step the run is
-in and every thread's Python stack, then ends the process with
-`EXIT_STUCK`. In a multi-process run every process has its own watchdog, and
-the first to fire publishes the failure so the others end too. The periodic
-saves and the final save count as part of the step they follow.
+When no step (saves included) has finished for `config.step_timeout_secs`,
+`StepWatchdog` logs the step and every thread's stack and exits `EXIT_STUCK`;
+in a multi-process run the first to fire tells the others.
 """
 
 import faulthandler

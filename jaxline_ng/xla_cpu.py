@@ -1,25 +1,12 @@
 """Room in XLA's CPU thread pool, so multi-device CPU runs never abort a collective.
 
-XLA's CPU client runs each device's share of a computation as a task on one
-thread pool, and a task waits on its pool thread while its device already
-has many computations in flight. A host that dispatches far ahead of the
-devices can so fill every thread with waiting tasks that a collective in
-progress, which needs a thread for every device at once, never completes:
-after 40 s XLA aborts the process ("Termination timeout ... only k of n
-threads arrived", exit 134). Each thread that dispatches holds at most one
-waiting task per device, so a pool of (dispatching threads + 1) threads per
-device always leaves the collective room, whatever the experiment's `step`
-returns or keeps. jaxline_ng asks for `THREADS_PER_DEVICE` per device
-through `PJRT_NPROC` before JAX starts its CPU backend (this module runs
-when any part of jaxline_ng is imported): enough for the training thread,
-the evaluator of `train_eval_multithreaded`, the experiment's own threads
-(a prefetcher placing batches) and the collective. A `PJRT_NPROC` set by
-the user is left alone.
-
-A program that starts JAX's backend before importing jaxline_ng (it placed
-arrays at import time) has XLA's default pool, one thread per device: its
-run stops at start naming the `PJRT_NPROC` to set (`check_pool`), rather
-than aborting or hanging in a collective minutes later.
+A host dispatching far ahead of the devices can fill XLA's CPU pool with
+waiting tasks, so that a collective, needing a thread per device at once,
+never completes (XLA aborts after 40 s). Each dispatching thread holds at most
+one waiting task per device, so `THREADS_PER_DEVICE` per device (training,
+a multithreaded evaluator, the experiment's own threads, the collective) always
+leaves room. It is asked for through `PJRT_NPROC` (unless the user set it) when
+jaxline_ng is imported; a backend started before that fails at start (`check_pool`).
 """
 
 import os

@@ -112,11 +112,11 @@ def test_own_device_helpers_stay_compiled_under_disable_jit():
     traces.append(x)
     return x * 2
 
-  rng._split_steps.jitted.clear_cache()  # pylint: disable=protected-access
+  rng._split_step.jitted.clear_cache()  # pylint: disable=protected-access
   with jax.disable_jit():
     assert (double(jnp.ones(3)) == 2).all() and (double(jnp.ones(3)) == 2).all()
     rng.StepKeys("unique_host_unique_device").next(rng.replicate_key(jax.random.PRNGKey(0)))
     copies = devices.fresh_copies({"w": jnp.arange(4.0)})
   assert len(traces) == 1  # Traced once, then compiled; eager would run the body each call.
-  assert rng._split_steps.jitted._cache_size() == 1  # pylint: disable=protected-access
+  assert rng._split_step.jitted._cache_size() == 1  # pylint: disable=protected-access
   assert (copies["w"] == jnp.arange(4.0)).all()

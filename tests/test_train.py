@@ -540,12 +540,12 @@ def test_step_compiles_once_over_many_steps():
   Traced.traces = 0
   config = make_config(training_steps=40, log_tensors_interval=7, save_checkpoint_interval=9)
   train.train(Traced, config, checkpointing.InMemoryCheckpointer(config, "train"), None)
-  compiled_advances = rng._split_steps.jitted._cache_size()  # pylint: disable=protected-access
+  compiled_advances = rng._split_step.jitted._cache_size()  # pylint: disable=protected-access
   Traced.traces = 0
   utils.GLOBAL_CHECKPOINT_DICT.clear()
   train.train(Traced, config, checkpointing.InMemoryCheckpointer(config, "train"), Recorder())
   assert Traced.traces == 1  # The user's step: once per experiment instance.
-  assert rng._split_steps.jitted._cache_size() == compiled_advances  # Ours: never again.
+  assert rng._split_step.jitted._cache_size() == compiled_advances  # Ours: never again.
 
 
 class Failing(Counting):
