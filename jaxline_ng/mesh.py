@@ -117,12 +117,13 @@ def place(tree: Any, *spec: Any) -> Any:
   """Places host or device values on the mesh, sharded by `spec`."""
   target = sharding(*spec)
 
-  def put(leaf):
+  def put(path, leaf):
+    multihost.check_splits("place: the value", path, np.shape(leaf), target)
     if devices.is_typed_key(leaf):  # A key on one device reaches no other process's.
       return devices.placed_from_host(leaf, lambda data: jax.device_put(data, target))
     return leaf
 
-  return jax.device_put(jax.tree.map(put, tree), target)
+  return jax.device_put(jax.tree_util.tree_map_with_path(put, tree), target)
 
 
 def global_batch(local_batch: Any, *spec: Any) -> Any:
