@@ -96,10 +96,16 @@ def active_mesh() -> Mesh | None:
   return _active[0]
 
 
+class NoMeshError(RuntimeError):
+  """A mesh helper called in a run that is not in mesh mode."""
+  one_line = True  # A config that does not fit the experiment: the message names the key.
+
+
 def current_mesh() -> Mesh:
-  """The run's mesh; raises if the run is not in mesh mode."""
+  """The run's mesh; raises NoMeshError if the run is not in mesh mode."""
   if _active[0] is None:
-    raise RuntimeError("no mesh: set config.placement = 'mesh' to run in mesh mode")
+    raise NoMeshError("the experiment uses the mesh, but config.placement is not 'mesh': set "
+                      "it (--config.placement=mesh) to run in mesh mode")
   return _active[0]
 
 

@@ -167,6 +167,39 @@ def test_parameters_that_do_not_split_over_the_model_axis_end_the_run_in_one_lin
           "mesh axis 'model' of 2 devices; make it a multiple of 2") in result.stderr
 
 
+def test_a_mesh_experiment_run_with_pmap_placement_is_one_line_naming_the_key(tmp_path):
+  """It was a RuntimeError traceback from inside the experiment's __init__."""
+  script = tmp_path / "mesh_only.py"
+  script.write_text(
+      "import functools\n"
+      "import jax.numpy as jnp\n"
+      "from absl import app\n"
+      "from jaxline_ng import base_config, experiment, mesh, platform\n"
+      "def get_config():\n"
+      "  config = base_config.get_base_config()\n"
+      "  config.placement = 'mesh'\n"
+      "  config.tensorboard = False\n"
+      "  return config\n"
+      "class Experiment(experiment.AbstractExperiment):\n"
+      "  CHECKPOINT_ATTRS = {'_w': 'w'}\n"
+      "  def __init__(self, mode, init_rng):\n"
+      "    super().__init__(mode=mode, init_rng=init_rng)\n"
+      "    self._w = mesh.replicate(jnp.zeros(2))\n"
+      "  def step(self, global_step, rng, writer):\n"
+      "    return {}\n"
+      "  def evaluate(self, global_step, rng, writer):\n"
+      "    return {}\n"
+      "if __name__ == '__main__':\n"
+      "  app.run(functools.partial(platform.main, Experiment))\n")
+  result = helpers.run([sys.executable, str(script), f"--config={script}",
+                        f"--config.checkpoint_dir={tmp_path}", "--config.placement=pmap"],
+                       timeout=60)
+  assert result.returncode == 1
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert ("jaxline_ng: error: the experiment uses the mesh, but config.placement is not 'mesh'"
+          in result.stderr)
+
+
 def test_disable_pmap_jit_in_mesh_mode(tmp_path):
   result = helpers.run(
       [sys.executable, helpers.TOY, f"--config={helpers.TOY}",
