@@ -105,6 +105,14 @@ KEYS_BEYOND_JAXLINE = (
     "drop_extra_checkpoint_entries", "placement", "mesh_shape")
 
 
+# The base keys that switch something on or off.
+BOOL_KEYS = (
+    "log_async", "log_all_hosts", "save_initial_train_checkpoint", "train_checkpoint_all_hosts",
+    "best_checkpoint_all_hosts", "log_all_train_data", "eval_initial_weights", "one_off_evaluate",
+    "legacy_random_seed_behavior", "best_model_eval_metric_higher_is_better", "tensorboard",
+    "strict_resume_config", "drop_extra_checkpoint_entries")
+
+
 class ConfigError(ValueError, errors.OneLineError):
   """A config that cannot run; the message names the key and the value."""
 
@@ -161,6 +169,11 @@ def add_keys_beyond_jaxline(config: ml_collections.ConfigDict) -> None:
                "using their defaults.", ", ".join(added))
 
 
+def _is_number(value) -> bool:
+  """An int or float, not a bool (which is an int to Python)."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first missing or malformed base key; adds
   `KEYS_BEYOND_JAXLINE` a config written for jaxline lacks."""
@@ -174,6 +187,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
           f"config is missing the base key {key!r}: build configs on "
           "jaxline_ng.base_config.get_base_config()")
   add_keys_beyond_jaxline(config)
+
+  for key in BOOL_KEYS:
+    # A config of plain types (a dict) takes a string here, and "no" is truthy.
+    if config[key] not in (True, False, None):
+      raise ConfigError(f"config.{key}={config[key]!r} must be True or False")
+  metric = config.best_model_eval_metric
+  if metric is not None and not isinstance(metric, str):
+    raise ConfigError(f"config.best_model_eval_metric={metric!r} must be the name of a scalar "
+                      "evaluate returns, or \"\" for no best series")
 
   for key in ("interval_type", "logging_interval_type", "checkpoint_interval_type"):
     value = config[key]
@@ -225,10 +247,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"but logging is every {logging_type!r}: set config.logging_interval_type='steps'")
 
   budget = config.wall_clock_budget_secs
-  if budget is not None and not budget > 0:
+  if budget is not None and (not _is_number(budget) or not budget > 0):
     raise ConfigError(f"config.wall_clock_budget_secs={budget!r} must be positive or None")
   step_timeout = config.step_timeout_secs
-  if step_timeout is not None and not 0 <= step_timeout < math.inf:
+  if step_timeout is not None and (not _is_number(step_timeout)
+                                   or not 0 <= step_timeout < math.inf):
     raise ConfigError(f"config.step_timeout_secs={step_timeout!r} must be >= 0 (0: no "
                       "watchdog) or None (automatic)")
 
@@ -244,7 +267,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.random_seed={seed!r} must be an int that fits in 64 bits")
 
   steps = config.training_steps
-  if steps is not None and (not isinstance(steps, int) or steps < 0):
+  if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
   if steps is not None and steps > rng.MAX_STEP:
     raise ConfigError(f"config.training_steps={steps!r} is beyond {rng.MAX_STEP}, the most steps "
@@ -259,7 +282,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if value is None and none_allowed:
       continue
     positive = key == "eval_poll_interval_secs"  # A waiting evaluator at 0 would spin a core.
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+    if (not _is_number(value) or math.isnan(value)
         or (value <= 0 if positive else value < 0 and key != "save_checkpoint_interval")):
       raise ConfigError(f"config.{key}={value!r} must be a number {'> 0' if positive else '>= 0'}"
                         + (" or None" if none_allowed else ""))
@@ -284,14 +307,15 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config.compilation_cache_dir={cache_dir!r} must be a directory, \"\" "
                       "(off) or None (the default)")
 
-  if config.max_checkpoints_to_keep < 1:
+  keep = config.max_checkpoints_to_keep
+  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
     raise ConfigError(
-        f"config.max_checkpoints_to_keep={config.max_checkpoints_to_keep!r} must be >= 1")
+        f"config.max_checkpoints_to_keep={keep!r} must be an int >= 1")
 
   # 10 is allowed: jaxline's own example is (1, 2, 5, 10).
   ratios = config.periodic_action_growth_ratios
   if ratios is not None and (not ratios or any(
-      isinstance(r, bool) or not isinstance(r, (int, float)) or not 1 <= r <= 10
+      not _is_number(r) or not 1 <= r <= 10
       for r in ratios)):
     raise ConfigError(
         f"config.periodic_action_growth_ratios={ratios!r} must be None or a "

@@ -74,3 +74,10 @@ def check_checkpoint_dir(checkpoint_dir: str) -> None:
     raise base_config.ConfigError(
         f"config.checkpoint_dir={checkpoint_dir!r}: orbax cannot save under a path holding "
         "'[...]' (it takes it for a glob pattern): choose one without brackets")
+  if "\\" in checkpoint_dir:
+    # TensorStore, which writes orbax's arrays, takes a backslash for a path
+    # separator: `run\x`'s arrays went to `run/x`, and its checkpoints,
+    # committed without them, could not be restored.
+    raise base_config.ConfigError(
+        f"config.checkpoint_dir={checkpoint_dir!r}: orbax cannot save under a path holding a "
+        "backslash (its array store takes it for '/'): choose one without")

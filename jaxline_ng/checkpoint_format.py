@@ -115,7 +115,7 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
   the first value that is neither an array nor a plain Python value.
   """
   tree: dict[str, Any] = {}
-  entries, arrays, names = {}, [], set()
+  entries, arrays, names, stored = {}, [], set(), {}
   for name, value in named_entries(nest).items():
     if isinstance(value, iterator_state.Position):
       entries[name] = _iterator_entry(value)
@@ -144,6 +144,15 @@ def encode(nest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list]:
           raise CheckpointFormatError(f"cannot checkpoint {_entry_name(name, path)}: its "
                                       f"name {'/'.join(tree_path)} is taken by another array")
         names.add("/".join(tree_path))
+        # Orbax stores each array under its path joined with "."; two that join
+        # alike overwrite each other, and the checkpoint fails its checksums.
+        stored_as = ".".join(tree_path)
+        if stored_as in stored:
+          raise CheckpointFormatError(
+              f"cannot checkpoint {_entry_name(name, path)}: orbax stores it as {stored_as!r}, "
+              f"as it does {stored[stored_as]}; rename a key so that a '.' in it does not "
+              "spell another's nesting")
+        stored[stored_as] = "/".join(tree_path)
         arrays.append((tree_path, leaf))
         # Marked: orbax gives a NumPy scalar back as a 0-d array.
         leaves.append({"array": tree_path, **({"numpy_scalar": True}

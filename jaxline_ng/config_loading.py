@@ -108,6 +108,15 @@ def make_paths_absolute(config) -> None:
     given = config[key]
     if not given and key != "checkpoint_dir":
       continue
+    if isinstance(given, os.PathLike):  # A pathlib.Path, in a config not typed by the base's.
+      given = os.fspath(given)
+      with config.ignore_type():  # The field was typed Path when the config set it.
+        config[key] = given
+    if not isinstance(given, str):
+      raise base_config.ConfigError(
+          f"config.{key}={given!r} is a {type(given).__name__}; give a directory path (a "
+          'string; "" for the working directory)' if key == "checkpoint_dir" else
+          f"config.{key}={given!r} is a {type(given).__name__}; give a path (a string)")
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", given):
       # The run's lock, records and metrics are files written with Python's
       # own I/O: a URL would become a relative directory named "gs:".

@@ -217,6 +217,13 @@ def checkpoint_attrs_problem(experiment) -> str | None:
     return None
   attrs, non_broadcast_attrs = checkpoint_attrs(experiment)
   name = type(experiment).__name__
+  owners: dict[str, str] = {}
+  for attr, checkpoint_name in [*attrs.items(), *non_broadcast_attrs.items()]:
+    if checkpoint_name in owners:  # The snapshot would keep one of the two values.
+      return (f"{name} gives the checkpoint name {checkpoint_name!r} to both "
+              f"{owners[checkpoint_name]!r} and {attr!r} (CHECKPOINT_ATTRS, "
+              "NON_BROADCAST_CHECKPOINT_ATTRS): give each its own")
+    owners[checkpoint_name] = attr
   for key, entries in (("CHECKPOINT_ATTRS", attrs),
                        ("NON_BROADCAST_CHECKPOINT_ATTRS", non_broadcast_attrs)):
     for attr in entries:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxline_ng import devices, multihost
+from jaxline_ng import devices, errors, multihost
 
 PLACEMENTS = ("pmap", "mesh")
 
@@ -86,10 +86,15 @@ def active_mesh() -> Mesh | None:
   return _active[0]
 
 
+class NoMeshError(RuntimeError, errors.OneLineError):
+  """A mesh helper called in a run that is not in mesh mode; the message names the config key."""
+
+
 def current_mesh() -> Mesh:
-  """The run's mesh; raises if the run is not in mesh mode."""
+  """The run's mesh; raises NoMeshError if the run is not in mesh mode."""
   if _active[0] is None:
-    raise RuntimeError("no mesh: set config.placement = 'mesh' to run in mesh mode")
+    raise NoMeshError("the experiment uses the mesh, but config.placement is not 'mesh': set "
+                      "it (--config.placement=mesh) to run in mesh mode")
   return _active[0]
 
 
@@ -107,12 +112,13 @@ def place(tree: Any, *spec: Any) -> Any:
   """Places host or device values on the mesh, sharded by `spec`."""
   target = sharding(*spec)
 
-  def put(leaf):
+  def put(path, leaf):
+    multihost.check_splits("place: the value", path, np.shape(leaf), target)
     if devices.is_typed_key(leaf):  # A key on one device reaches no other process's.
       return devices.placed_from_host(leaf, lambda data: jax.device_put(data, target))
     return leaf
 
-  return jax.device_put(jax.tree.map(put, tree), target)
+  return jax.device_put(jax.tree_util.tree_map_with_path(put, tree), target)
 
 
 def global_batch(local_batch: Any, *spec: Any) -> Any:

@@ -9,6 +9,7 @@ refuse another thread, naming it, instead of hanging the run.
 """
 
 import functools
+import math
 import threading
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxline_ng import errors
 from jaxline_ng.agreement import (
     barrier,
     begin_run,
@@ -57,9 +59,38 @@ def _check_collective_thread(what: str) -> None:
         "background thread")
 
 
+class ShardingShapeError(ValueError, errors.OneLineError):
+  """An array whose axis does not split over the mesh axes its spec maps it to; the message
+  names the value, its shape and the axes."""
+
+
+def check_splits(what: str, path: tuple[Any, ...], shape: tuple[int, ...],
+                 sharding: jax.sharding.NamedSharding) -> None:
+  """Raises ShardingShapeError unless every axis of `shape` splits evenly
+  over the mesh axes `sharding`'s spec maps it to (JAX's own error is a
+  traceback from deep inside `device_put`).
+
+  Args:
+    what: names the value in the error, e.g. "global_batch: the global batch".
+    path: the value's key path in its pytree, appended to `what`.
+    shape: the value's (global) shape.
+    sharding: where it is to be placed.
+  """
+  for dim, names in enumerate(sharding.spec[:len(shape)]):
+    names = names if isinstance(names, tuple) else (names,)
+    if not all(isinstance(name, str) for name in names):
+      continue  # None (replicated) or unconstrained.
+    parts = math.prod(sharding.mesh.shape[name] for name in names)
+    if shape[dim] % parts:
+      raise ShardingShapeError(
+          f"{what}{jax.tree_util.keystr(path)} of shape {tuple(shape)}: its axis {dim} "
+          f"({shape[dim]}) does not split over mesh axis {' x '.join(map(repr, names))} of "
+          f"{parts} devices; make it a multiple of {parts}")
+
+
 def host_slice(global_rows: Any) -> Any:
   """This process's contiguous `1 / process_count` of arrays whose leading axis
-  spans every device. Raises ValueError if the leading axis does not split evenly.
+  spans every device. Raises ShardingShapeError if the leading axis does not split evenly.
   """
   count, index = jax.process_count(), jax.process_index()
 
@@ -67,7 +98,8 @@ def host_slice(global_rows: Any) -> Any:
     rows = np.asarray(rows)
     share, remainder = divmod(rows.shape[0], count)
     if remainder:
-      raise ValueError(f"host_slice: {rows.shape[0]} rows do not split over {count} processes")
+      raise ShardingShapeError(
+          f"host_slice: {rows.shape[0]} rows do not split over {count} processes")
     return rows[index * share:(index + 1) * share]
 
   return jax.tree.map(take, global_rows)
@@ -88,11 +120,14 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
   sharding = jax.sharding.NamedSharding(mesh, spec)
   count = jax.process_count()
 
-  def assemble(rows):
+  def assemble(path, rows):
     rows = np.asarray(rows)
-    if count == 1 or rows.ndim == 0:
+    if rows.ndim == 0:
       return jax.make_array_from_process_local_data(sharding, rows)
     global_shape = (count * rows.shape[0], *rows.shape[1:])
+    check_splits("global_batch: the global batch", path, global_shape, sharding)
+    if count == 1:
+      return jax.make_array_from_process_local_data(sharding, rows)
     if not _holds_its_own_rows(sharding, global_shape):
       # Every process decides alike (same sharding and shapes), so all gather.
       _check_collective_thread(
@@ -101,7 +136,7 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
       rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
     return jax.make_array_from_process_local_data(sharding, rows, global_shape)
 
-  return jax.tree.map(assemble, local_batch)
+  return jax.tree_util.tree_map_with_path(assemble, local_batch)
 
 
 def global_batch_from_every_row(batch: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
@@ -112,11 +147,12 @@ def global_batch_from_every_row(batch: Any, mesh: jax.sharding.Mesh, spec: Any) 
   """
   sharding = jax.sharding.NamedSharding(mesh, spec)
 
-  def place(rows):
+  def place(path, rows):
     rows = np.asarray(rows)
+    check_splits("global_batch_from_every_row: the batch", path, rows.shape, sharding)
     return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
 
-  return jax.tree.map(place, batch)
+  return jax.tree_util.tree_map_with_path(place, batch)
 
 
 @functools.cache
@@ -157,8 +193,8 @@ def all_reduce_sum(tree: Any) -> Any:
 
 
 __all__ = [
-    "CollectiveThreadError", "MultihostError", "all_reduce_sum", "barrier", "begin_run",
-    "broadcast_from_chief", "check_same_as_chief", "exchange", "global_batch",
-    "global_batch_from_every_row", "host_slice", "initialize_if_requested", "is_chief",
-    "is_multiprocess", "own_collectives", "publish_failure", "rendezvous",
+    "CollectiveThreadError", "MultihostError", "ShardingShapeError", "all_reduce_sum", "barrier",
+    "begin_run", "broadcast_from_chief", "check_same_as_chief", "check_splits", "exchange",
+    "global_batch", "global_batch_from_every_row", "host_slice", "initialize_if_requested",
+    "is_chief", "is_multiprocess", "own_collectives", "publish_failure", "rendezvous",
 ]

@@ -107,6 +107,32 @@ def test_malformed_values_name_the_key(key, value, culprit):
     base_config.validate_config(config)
 
 
+@pytest.mark.parametrize("key,value", [
+    # Strings are truthy: "no" turned these on, and higher_is_better="no" kept the worst.
+    ("one_off_evaluate", "no"), ("best_model_eval_metric_higher_is_better", "False"),
+    ("tensorboard", "False"), ("save_initial_train_checkpoint", "no"), ("log_async", 2),
+    ("best_model_eval_metric", 5),  # Matched no scalar name: no best series, unsaid.
+    ("training_steps", True),  # Trained one step.
+    # TypeErrors with a traceback, the last at the first save after training.
+    ("max_checkpoints_to_keep", "5"), ("max_checkpoints_to_keep", 2.5),
+    ("wall_clock_budget_secs", "100"), ("step_timeout_secs", "100"),
+])
+def test_values_of_the_wrong_type_in_an_untyped_config_name_the_key(key, value):
+  """A plain dict config (or a ConfigDict built by hand) takes any type."""
+  config = config_dict.ConfigDict({**base_config.get_base_config().to_dict(), key: value})
+  with pytest.raises(base_config.ConfigError, match=f"config.{key}={value!r} "):
+    base_config.validate_config(config)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("log_async", 0), ("one_off_evaluate", None), ("tensorboard", 1),
+    ("best_model_eval_metric", None), ("wall_clock_budget_secs", 60),
+    ("step_timeout_secs", 0), ("max_checkpoints_to_keep", 3)])
+def test_values_whose_meaning_is_plain_are_accepted_as_jaxline_took_them(key, value):
+  config = config_dict.ConfigDict({**base_config.get_base_config().to_dict(), key: value})
+  base_config.validate_config(config)
+
+
 def test_zero_and_none_intervals_keep_their_jaxline_meaning():
   config = base_config.get_base_config()
   config.save_checkpoint_interval = 0  # Only the final save.

@@ -178,6 +178,26 @@ def test_unstorable_value_fails_at_first_save_naming_it(tmp_path):
     train.train(Unstorable, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
 
 
+def test_names_orbax_would_store_alike_fail_at_first_save_naming_both(tmp_path):
+  """Orbax joins a path with '.': 'a.b' and a/b overwrote each other, the save
+  succeeded, and every checkpoint of the run failed its checksums at restore."""
+
+  class DottedKeys(Rich):
+
+    def __init__(self, mode, init_rng):
+      super().__init__(mode, init_rng)
+      self._info = {"a.b": np.ones(2), "a": {"b": np.zeros(2)}}
+
+  config = disk_config(tmp_path, 3)
+  with pytest.raises(disk_checkpointing.CheckpointFormatError,
+                     match=r"cannot checkpoint experiment_module/info\['a\.b'\]: orbax stores "
+                           r"it as 'experiment_module\.info\.a\.b', as it does "
+                           r"experiment_module/info/a/b;") as raised:
+    train.train(DottedKeys, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
+  assert raised.value.one_line
+  assert series_steps(tmp_path) == []
+
+
 class TypedKeys(Rich):
   """Keeps typed PRNG keys (`jax.random.key`): one per device, and one whole."""
   CHECKPOINT_ATTRS = {**Rich.CHECKPOINT_ATTRS, "_device_keys": "device_keys"}

@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from jaxline_ng import base_config, checkpointing, disk_checkpointing, mesh, rng, train, utils
+from jaxline_ng import (
+    base_config,
+    checkpointing,
+    disk_checkpointing,
+    mesh,
+    multihost,
+    rng,
+    train,
+    utils,
+)
 
 toy = helpers.toy_experiment()
 
@@ -126,6 +135,69 @@ def test_helpers_place_and_replicate(tmp_path):
   assert mesh.replicate({"a": np.ones(2)})["a"].sharding.is_fully_replicated
   batch = mesh.global_batch(np.arange(8.0).reshape(4, 2), "data")
   assert batch.shape == (4, 2) and batch.sharding.spec == PartitionSpec("data")
+
+
+@pytest.mark.parametrize("helper,culprit", [
+    (lambda rows: mesh.global_batch({"x": rows}, "data"),
+     "global_batch: the global batch['x'] of shape (6, 2): its axis 0 (6) does not split over "
+     "mesh axis 'data' of 4 devices; make it a multiple of 4"),
+    (lambda rows: mesh.global_batch_from_every_row(rows, "data"),
+     "global_batch_from_every_row: the batch of shape (6, 2): its axis 0 (6)"),
+    (lambda rows: mesh.place([rows], None, ("data",)),
+     "place: the value[0] of shape (6, 2): its axis 1 (2) does not split over mesh axis 'data' "
+     "of 4 devices"),
+])
+def test_rows_that_do_not_split_over_the_mesh_are_one_line_naming_them(tmp_path, helper, culprit):
+  """Before, JAX's IndivisibleError came from inside device_put, as a traceback."""
+  mesh.activate(toy_config(tmp_path, "mesh"))
+  with pytest.raises(multihost.ShardingShapeError) as raised:
+    helper(np.zeros((6, 2), np.float32))
+  assert raised.value.one_line and culprit in str(raised.value)
+
+
+def test_parameters_that_do_not_split_over_the_model_axis_end_the_run_in_one_line(tmp_path):
+  result = helpers.run(
+      [sys.executable, helpers.TOY, f"--config={helpers.TOY}",
+       f"--config.checkpoint_dir={tmp_path}", "--config.placement=mesh",
+       "--config.mesh_shape=data:2,model:2", "--config.experiment_kwargs.config.dim=3"],
+      timeout=60)
+  assert result.returncode == 1
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert ("jaxline_ng: error: place: the value of shape (3,): its axis 0 (3) does not split over "
+          "mesh axis 'model' of 2 devices; make it a multiple of 2") in result.stderr
+
+
+def test_a_mesh_experiment_run_with_pmap_placement_is_one_line_naming_the_key(tmp_path):
+  """It was a RuntimeError traceback from inside the experiment's __init__."""
+  script = tmp_path / "mesh_only.py"
+  script.write_text(
+      "import functools\n"
+      "import jax.numpy as jnp\n"
+      "from absl import app\n"
+      "from jaxline_ng import base_config, experiment, mesh, platform\n"
+      "def get_config():\n"
+      "  config = base_config.get_base_config()\n"
+      "  config.placement = 'mesh'\n"
+      "  config.tensorboard = False\n"
+      "  return config\n"
+      "class Experiment(experiment.AbstractExperiment):\n"
+      "  CHECKPOINT_ATTRS = {'_w': 'w'}\n"
+      "  def __init__(self, mode, init_rng):\n"
+      "    super().__init__(mode=mode, init_rng=init_rng)\n"
+      "    self._w = mesh.replicate(jnp.zeros(2))\n"
+      "  def step(self, global_step, rng, writer):\n"
+      "    return {}\n"
+      "  def evaluate(self, global_step, rng, writer):\n"
+      "    return {}\n"
+      "if __name__ == '__main__':\n"
+      "  app.run(functools.partial(platform.main, Experiment))\n")
+  result = helpers.run([sys.executable, str(script), f"--config={script}",
+                        f"--config.checkpoint_dir={tmp_path}", "--config.placement=pmap"],
+                       timeout=60)
+  assert result.returncode == 1
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert ("jaxline_ng: error: the experiment uses the mesh, but config.placement is not 'mesh'"
+          in result.stderr)
 
 
 def test_disable_pmap_jit_in_mesh_mode(tmp_path):

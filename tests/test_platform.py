@@ -111,6 +111,20 @@ def test_unusable_checkpoint_dir_is_named_as_the_culprit(tmp_path, name):
   assert not (tmp_path / "run[1]").exists()  # A refused run leaves nothing (no lock, no cache).
 
 
+def test_a_checkpoint_dir_with_a_backslash_is_refused_before_saves_go_elsewhere(tmp_path):
+  """TensorStore took the backslash for a '/': the arrays of `run\\x` went to
+  `run/x`, the run exited 0, and its rerun found no usable checkpoint."""
+  checkpoint_dir = tmp_path / "run\\x"
+  result = run(f"--config={TOY}", "--config.checkpointer=disk",
+               f"--config.checkpoint_dir={checkpoint_dir}", "--config.training_steps=2",
+               timeout=60)
+  assert result.returncode == 1
+  assert "Traceback" not in result.stderr
+  assert (f"error: config.checkpoint_dir={str(checkpoint_dir)!r}: orbax cannot save under a "
+          "path holding a backslash") in result.stderr, result.stderr[-2000:]
+  assert not (tmp_path / "run").exists()
+
+
 def test_syntax_error_in_config_file_is_one_line(tmp_path):
   bad = tmp_path / "bad_config.py"
   bad.write_text("def get_config(:\n")

@@ -375,6 +375,24 @@ def test_checkpoint_attrs_that_cannot_be_saved_stop_the_run_after_its_first_step
     experiment_class("train", jax.random.PRNGKey(0)).snapshot_state()  # Every save says so too.
 
 
+class OneNameForTwoAttrs(Counting):
+  CHECKPOINT_ATTRS = {"_count": "count"}
+  NON_BROADCAST_CHECKPOINT_ATTRS = {"_total": "count"}
+  _total = np.zeros(2)
+
+
+def test_two_attributes_under_one_checkpoint_name_stop_the_run_after_its_first_step():
+  """The snapshot kept one of them, and a restore gave both attributes its value."""
+  Counting.seen = []
+  config = make_config(training_steps=50)
+  with pytest.raises(experiment.CheckpointAttrsError,
+                     match="OneNameForTwoAttrs gives the checkpoint name 'count' to both "
+                           "'_count' and '_total'") as raised:
+    train.train(OneNameForTwoAttrs, config,
+                checkpointing.InMemoryCheckpointer(config, "train"), None)
+  assert raised.value.one_line and len(Counting.seen) == 1
+
+
 def test_a_resumed_run_describes_the_state_it_restored(caplog):
   config = make_config(training_steps=2)
   checkpointer = checkpointing.InMemoryCheckpointer(config, "train")

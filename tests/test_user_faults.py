@@ -55,6 +55,42 @@ def test_paths_in_the_config_are_made_absolute_once(tmp_path, monkeypatch, key, 
   assert config[key] == (given if resolved is None else os.path.normpath(tmp_path / resolved))
 
 
+def dict_config_with(tmp_path, checkpoint_dir):
+  """A config file returning toy's config as a plain dict (whose values
+  ml_collections does not type-check) with `checkpoint_dir` set to the
+  Python expression given."""
+  config_file = tmp_path / "config.py"
+  config_file.write_text("import pathlib\n"
+                         "import toy\n"
+                         "def get_config():\n"
+                         "  config = toy.get_config().to_dict()\n"
+                         f"  config.update(checkpoint_dir={checkpoint_dir}, training_steps=4)\n"
+                         "  return config\n")
+  return toy(config=str(config_file))
+
+
+@pytest.mark.parametrize("value,culprit", [
+    ("None", "config.checkpoint_dir=None is a NoneType; give a directory path (a string"),
+    ("7", "config.checkpoint_dir=7 is a int; give a directory path (a string"),
+])
+def test_a_checkpoint_dir_that_is_not_a_path_is_one_line(tmp_path, value, culprit):
+  """It was a TypeError traceback from `re.match` as the paths were resolved."""
+  result = run(dict_config_with(tmp_path, value), timeout=60,
+               env=dict(ENV, PYTHONPATH=os.pathsep.join([ROOT, EXPERIMENTS])))
+  assert result.returncode == 1
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert f"jaxline_ng: error: {culprit}" in result.stderr
+
+
+def test_a_pathlib_checkpoint_dir_runs(tmp_path):
+  """A pathlib.Path (in a plain dict config; a ConfigDict built on the base
+  config refuses one) was a TypeError traceback."""
+  result = run(dict_config_with(tmp_path, f"pathlib.Path({str(tmp_path)!r}) / 'run'"),
+               timeout=60, env=dict(ENV, PYTHONPATH=os.pathsep.join([ROOT, EXPERIMENTS])))
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert read_jsonl(tmp_path / "run" / "train" / "metrics.jsonl")[-1]["step"] == 4
+
+
 @pytest.mark.parametrize("override,key,close", [
     ("--config.training_step", "training_step", "training_steps"),
     ("--config.experiment_kwargs.configg.learning_rate", "configg", "config"),
