@@ -194,7 +194,7 @@ def test_names_orbax_would_store_alike_fail_at_first_save_naming_both(tmp_path):
                            r"it as 'experiment_module\.info\.a\.b', as it does "
                            r"experiment_module/info/a/b;") as raised:
     train.train(DottedKeys, config, disk_checkpointing.DiskCheckpointer(config, "train"), None)
-  assert raised.value.one_line
+  assert isinstance(raised.value, errors.OneLineError)
   assert series_steps(tmp_path) == []
 
 

@@ -10,14 +10,15 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxline_ng import (
-    base_config,
-    checkpointing,
-    disk_checkpointing,
-    mesh,
-    multihost,
-    rng,
-    train,
-    utils,
+  base_config,
+  checkpointing,
+  disk_checkpointing,
+  errors,
+  mesh,
+  multihost,
+  rng,
+  train,
+  utils,
 )
 
 toy = helpers.toy_experiment()
@@ -152,7 +153,7 @@ def test_rows_that_do_not_split_over_the_mesh_are_one_line_naming_them(tmp_path,
   mesh.activate(toy_config(tmp_path, "mesh"))
   with pytest.raises(multihost.ShardingShapeError) as raised:
     helper(np.zeros((6, 2), np.float32))
-  assert raised.value.one_line and culprit in str(raised.value)
+  assert isinstance(raised.value, errors.OneLineError) and culprit in str(raised.value)
 
 
 def test_parameters_that_do_not_split_over_the_model_axis_end_the_run_in_one_line(tmp_path):

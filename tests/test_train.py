@@ -390,7 +390,7 @@ def test_two_attributes_under_one_checkpoint_name_stop_the_run_after_its_first_s
                            "'_count' and '_total'") as raised:
     train.train(OneNameForTwoAttrs, config,
                 checkpointing.InMemoryCheckpointer(config, "train"), None)
-  assert raised.value.one_line and len(Counting.seen) == 1
+  assert isinstance(raised.value, errors.OneLineError) and len(Counting.seen) == 1
 
 
 def test_a_resumed_run_describes_the_state_it_restored(caplog):
