@@ -188,6 +188,28 @@ class JaxlineCheckpointerAdapter(Checkpointer):
     return type(self.wrapped).__name__
 
 
+def every_host_saves(checkpointer: Checkpointer, all_hosts_key: str, config) -> bool:
+  """Whether every process saves the series `config.<all_hosts_key>` is about (else the chief).
+
+  Every process does where each writes its shards, or where the config asks
+  for every host's copy (jaxline's `*_checkpoint_all_hosts`) and something
+  would read it. Where every process restores the chief's checkpoints
+  (`restores_by_path`), the others' copies would never be read, so the key is
+  ignored with a warning. The same answer in every process.
+  """
+  if checkpointer.every_process_saves:
+    return True
+  if not config[all_hosts_key] or jax.process_count() == 1:
+    return False
+  if checkpointer.restores_by_path:
+    logging.log_first_n(
+        logging.WARNING, "[jaxline_ng] config.%s=True is ignored: every process restores the "
+        "chief's checkpoints, so the other processes' copies would never be read.", 1,
+        all_hosts_key)
+    return False
+  return True
+
+
 def adapt(checkpointer) -> Checkpointer:
   """`checkpointer` as a `Checkpointer`: itself if it is one, else adapted."""
   if isinstance(checkpointer, Checkpointer):

@@ -90,8 +90,8 @@ def evaluate(experiment_class, config, checkpointer, writer,
     # state holds, and the best state takes the key chain from there.
     state.train_step_rng = None
   best = None
-  if config.best_model_eval_metric and (multihost.is_chief() or config.best_checkpoint_all_hosts
-                                        or checkpointer.every_process_saves):
+  if config.best_model_eval_metric and (multihost.is_chief() or checkpointing.every_host_saves(
+      checkpointer, "best_checkpoint_all_hosts", config)):
     best = best_lib.BestTracker(config, checkpointer, experiment)
   eval_rng = rng.eval_keys(config.random_seed, config.random_mode_eval)
   evaluate_fn = experiment_lib.evaluate_should_return_dict(

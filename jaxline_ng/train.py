@@ -60,8 +60,9 @@ def train(experiment_class, config, checkpointer, writer,
   """
   base_config.add_keys_beyond_jaxline(config)
   checkpointer = checkpointing.adapt(checkpointer)
-  save_checkpoints = (multihost.is_chief() or config.train_checkpoint_all_hosts
-                      or checkpointer.every_process_saves)
+  every_host_saves = checkpointing.every_host_saves(
+      checkpointer, "train_checkpoint_all_hosts", config)
+  save_checkpoints = multihost.is_chief() or every_host_saves
   _check_saves_agree(config, checkpointer)
   mesh_lib.activate(config)
   multihost.own_collectives()
@@ -120,8 +121,7 @@ def train(experiment_class, config, checkpointer, writer,
   # unless every process saves: its own tree (`train_checkpoint_all_hosts`),
   # or its shards of global arrays, whose scalars every process sees alike.
   peer_checks = None
-  if (multihost.is_multiprocess() and not config.train_checkpoint_all_hosts
-      and not checkpointer.every_process_saves):
+  if multihost.is_multiprocess() and not every_host_saves:
     peer_checks = guards.PeerChecks(guard)
     if not save_checkpoints:
       peer_checks.answer()

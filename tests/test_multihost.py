@@ -39,10 +39,14 @@ def test_two_processes_train_like_one_with_all_devices_and_resume_together(tmp_p
   run_dir = tmp_path / "multi"
   # A compilation cache under the run's directory (the default off CPU).
   env = {k: v for k, v in ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  # train_checkpoint_all_hosts asks for process 1's own copies, which no
+  # process would read: every process restores process 0's disk checkpoints.
   result = launch(toy(run_dir, "--config.training_steps=20",
+                      "--config.train_checkpoint_all_hosts=True",
                       f"--config.compilation_cache_dir={run_dir / 'compilation_cache'}",
                       f"--config.experiment_kwargs.config.record_keys_dir={tmp_path}"), env=env)
   assert result.returncode == 0, result.stdout[-4000:]
+  assert "config.train_checkpoint_all_hosts=True is ignored" in result.stdout
   single_process(toy(tmp_path / "single", "--config.training_steps=20"))
   multi_step, multi = final_params(run_dir)
   single_step, single = final_params(tmp_path / "single")
