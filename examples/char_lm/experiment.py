@@ -200,7 +200,9 @@ class Experiment(experiment.AbstractExperiment):
     super().__init__(mode=mode, init_rng=init_rng)
     self.config = config
 
-    if config.global_batch_size % jax.device_count():
+    # pmap mode splits the batch over every device; mesh mode over the `data`
+    # axis alone, and the framework names a batch that does not split.
+    if mesh.active_mesh() is None and config.global_batch_size % jax.device_count():
       raise base_config.ConfigError(  # One line naming the key, not a traceback.
           f"config.experiment_kwargs.config.global_batch_size={config.global_batch_size} is "
           f"not divisible by the {jax.device_count()} devices; use a multiple of "
