@@ -105,7 +105,7 @@ def state_io(gib: float, saves: int, directory: str) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  from jaxline_ng import base_config, disk_checkpointing, experiment, mesh, rng  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import base_config, disk_checkpointing, experiment, mesh  # pylint: disable=import-outside-toplevel
 
   leaves = 16
   rows = max(DEVICES, int(gib * (1 << 30) / 4 / leaves / 1024) // DEVICES * DEVICES)
@@ -134,7 +134,7 @@ def state_io(gib: float, saves: int, directory: str) -> dict:
     checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
     state = checkpointer.get_experiment_state("latest")
     state.experiment_module = Big("train")
-    state.train_step_rng = rng.replicate_key(jax.random.PRNGKey(0))
+    state.train_step_rng = mesh.placement().replicate(jax.random.PRNGKey(0))
     return checkpointer, state
 
   checkpointer, state = new_state()

@@ -218,7 +218,7 @@ def worker_save_stall(saves: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
 
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
-  from jaxline_ng import base_config, checkpointing, disk_checkpointing, rng  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import base_config, checkpointing, disk_checkpointing, mesh  # pylint: disable=import-outside-toplevel
   results = {}
   for kind in ("memory", "disk"):
     with tempfile.TemporaryDirectory(prefix="jaxline_ng_bench_") as checkpoint_dir:
@@ -228,7 +228,7 @@ def worker_save_stall(saves: int) -> dict:
                       else checkpointing.InMemoryCheckpointer(config, "train"))
       state = checkpointer.get_experiment_state("latest")
       state.experiment_module = workloads.MLPExperiment("train", None)
-      state.train_step_rng = rng.replicate_key(jax.random.PRNGKey(0))
+      state.train_step_rng = mesh.placement().replicate(jax.random.PRNGKey(0))
       stalls, copies = [], []
       for index in range(saves):
         state.global_step = index + 1

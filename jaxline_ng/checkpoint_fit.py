@@ -66,7 +66,7 @@ def per_device_elsewhere(live_leaf: jax.Array, shape: tuple[int, ...],
   saving run's (`jnp.zeros((jax.local_device_count(),))` in `__init__`).
   """
   saved_devices = meta["topology"].get("local_device_count")
-  if (mesh_lib.active_mesh() is not None or shape[:1] != (saved_devices,)
+  if (not mesh_lib.placement().per_device or shape[:1] != (saved_devices,)
       or live_leaf.shape[:1] in ((), (saved_devices,))):
     return False
   return 0 in devices.split_axes(live_leaf) or (
@@ -212,8 +212,8 @@ def live_layout(module) -> dict[str, Any]:
                                   weak_type=getattr(leaf, "weak_type", False))
     return leaf
 
-  pmap_mode = mesh_lib.active_mesh() is None
-  layout = {name: jax.tree.map(one_copy if pmap_mode else global_shape,
+  per_device = mesh_lib.placement().per_device
+  layout = {name: jax.tree.map(one_copy if per_device else global_shape,
                                devices.raw_keys(getattr(module, attr, None)))
             for attr, name in attrs.items()
             if iterator_state.kind_of(getattr(module, attr, None)) is None}

@@ -187,11 +187,11 @@ def digest(meta: dict[str, Any]) -> str:
 
 
 def current_topology() -> dict[str, Any]:
-  mesh = mesh_lib.active_mesh()
-  return {"placement": "pmap" if mesh is None else "mesh",
+  placement = mesh_lib.placement()
+  return {"placement": placement.name,
           "process_count": jax.process_count(),
           "local_device_count": jax.local_device_count(),
-          "mesh": None if mesh is None else dict(mesh.shape),
+          "mesh": placement.mesh_shape,
           "x64": bool(jax.config.jax_enable_x64)}
 
 

@@ -147,6 +147,7 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool, drop_extr
   restore_args: dict[str, Any] = {}
   expected = []  # (tree path, saved description)
   other_dtypes = []  # Arrays restored with another dtype than the live one.
+  per_device = mesh_lib.placement().per_device
   for name, entry in entries.items():
     if not wanted(name):
       continue
@@ -169,7 +170,6 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool, drop_extr
         raise DoesNotFit(
             f"train_step_rng holds keys of {(shape or (0,))[-1]} words where this run's hold "
             f"{np.shape(live[name])[-1]} (another PRNG implementation: jax_default_prng_impl)")
-      pmap_mode = mesh_lib.active_mesh() is None
       if (isinstance(live_leaf, jax.ShapeDtypeStruct) and tuple(live_leaf.shape) != shape) or (
           isinstance(live_leaf, jax.Array) and per_device_elsewhere(live_leaf, shape, meta)):
         saved_by = describe_topology(meta["topology"])
@@ -183,10 +183,10 @@ def _read_arrays(path: str, live_nest: dict[str, Any], training: bool, drop_extr
           and np.dtype(live_dtype) != dtype:
         other_dtypes.append(f"{'/'.join(tree_path)} {dtype} (__init__ makes {live_dtype})")
       if isinstance(live_leaf, jax.Array) and not devices.holds_shape(
-          live_leaf, shape, pmap_layout=pmap_mode):
+          live_leaf, shape, pmap_layout=per_device):
         live_leaf = None
       sharding = getattr(live_leaf, "sharding", None)
-      if sharding is not None and not pmap_mode and len(sharding.device_set) > 1:
+      if sharding is not None and not per_device and len(sharding.device_set) > 1:
         arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
         target = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
       else:

@@ -113,7 +113,7 @@ def _as_orbax_takes_them(tree: dict[str, Any]) -> dict[str, Any]:
   process's own (a NON_BROADCAST value): orbax refuses such a "host local"
   array when several processes save.
   """
-  if mesh_lib.active_mesh() is None:
+  if mesh_lib.placement().per_device:
     return jax.device_get(tree)
   return jax.tree.map(lambda x: jax.device_get(x) if isinstance(x, jax.Array) and len(
       x.sharding.device_set) == 1 and len(jax.devices()) > 1 else x, tree)

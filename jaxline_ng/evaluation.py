@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 
 from jaxline_ng import (
@@ -192,9 +191,7 @@ def evaluate(experiment_class, config, checkpointer, writer,
 
     # --- Evaluate, write, track the best. ---
     # As jaxline: per-device on the devices (`step` gets a host array, as there).
-    global_step_devices = (
-        rng.step_counter(state.global_step) if mesh_lib.active_mesh() is not None
-        else devices.bcast_local_devices(np.int32(state.global_step)))
+    global_step_devices = mesh_lib.placement().step_counter(state.global_step, on_devices=True)
     with experiment_lib.log_activity(f"evaluation at step {state.global_step}"):
       scalars = evaluate_fn(global_step=global_step_devices, rng=eval_rng, writer=writer)
     # The row's loggable values are written before a bad one stops the run:

@@ -79,7 +79,7 @@ class AbstractExperiment(abc.ABC):
     over the mesh (mesh mode); each step splits the chain into its own key,
     specialised by `config.random_mode_train`, and the next chain key.
     """
-    return rng_lib.replicate_key(rng)
+    return mesh_lib.placement().replicate(rng)
 
   def train_loop(self, config, state, periodic_actions, writer=None) -> None:
     """Runs training steps until `should_run_step` says stop.
@@ -103,12 +103,12 @@ class AbstractExperiment(abc.ABC):
     """
     step = keyword_filtered(self.step)
     step_keys = rng_lib.StepKeys(config.random_mode_train)
+    step_counter = mesh_lib.placement().step_counter
     with log_activity("training loop"):
       while self.should_run_step(state.global_step, config):
         step_rng, state.train_step_rng = step_keys.next(state.train_step_rng)
         with jax.profiler.StepTraceAnnotation("train", step_num=state.global_step):
-          scalars = step(global_step=rng_lib.step_counter(state.global_step), rng=step_rng,
-                         writer=writer)
+          scalars = step(global_step=step_counter(state.global_step), rng=step_rng, writer=writer)
         state.global_step += 1
         now = time.time()
         for action in periodic_actions:
@@ -140,10 +140,7 @@ class AbstractExperiment(abc.ABC):
     for attr, name in attrs.items():
       if isinstance(snapshot_state[name], iterator_state.Position):
         continue
-      if mesh_lib.active_mesh() is None:
-        value = devices.bcast_local_devices(snapshot_state[name])
-      else:
-        value = mesh_lib.restore_like(getattr(self, attr, None), snapshot_state[name])
+      value = mesh_lib.placement().restored(getattr(self, attr, None), snapshot_state[name])
       setattr(self, attr, devices.restored_like(getattr(self, attr, None), value))
     for attr, name in non_broadcast_attrs.items():
       if not isinstance(snapshot_state[name], iterator_state.Position):
@@ -184,14 +181,14 @@ def checkpointed_values(experiment, fresh: bool) -> dict[str, Any]:
         logging.WARNING, "%s declares no CHECKPOINT_ATTRS or NON_BROADCAST_CHECKPOINT_ATTRS: "
         "checkpoints will hold no experiment state.", 1, type(experiment).__name__)
   copies = devices.fresh_copies if fresh else (lambda tree: tree)
-  one_copy = devices.get_first if mesh_lib.active_mesh() is None else copies
   # Iterators that report their position are saved as it, per process.
   positions = {name: iterator_state.capture(getattr(experiment, attr), f"experiment_module/{name}")
                for attr, name in {**attrs, **non_broadcast_attrs}.items()
                if iterator_state.kind_of(getattr(experiment, attr, None)) is not None}
   try:
-    snapshot = dict(one_copy({name: getattr(experiment, attr) for attr, name in attrs.items()
-                              if name not in positions}))
+    snapshot = dict(mesh_lib.placement().one_copy(
+        {name: getattr(experiment, attr) for attr, name in attrs.items() if name not in positions},
+        fresh))
     for attr, name in non_broadcast_attrs.items():
       if name not in positions:
         snapshot[name] = copies(getattr(experiment, attr))
@@ -230,7 +227,7 @@ def checkpoint_attrs_problem(experiment) -> str | None:
       if not hasattr(experiment, attr):
         return (f"{name}.{key} names {attr!r}, which {name} does not have: set it in "
                 "__init__ (None until step builds it) or fix the name")
-  if mesh_lib.active_mesh() is None:
+  if mesh_lib.placement().per_device:
     count = jax.local_device_count()
     for attr in attrs:
       if iterator_state.kind_of(getattr(experiment, attr)) is not None:
@@ -262,7 +259,7 @@ _COMPARED_BYTES = 1 << 20
 def differing_copies(experiment) -> list[str]:
   """The CHECKPOINT_ATTRS entries (pmap mode) with a leaf of at most 1 MiB whose
   per-device copies differ: a checkpoint keeps the first device's alone."""
-  if _overrides_snapshot(experiment) or mesh_lib.active_mesh() is not None:
+  if _overrides_snapshot(experiment) or not mesh_lib.placement().per_device:
     return []
   differing = []
   for attr in checkpoint_attrs(experiment)[0]:
@@ -285,7 +282,7 @@ def describe_state(experiment) -> str:
   device's copy of a CHECKPOINT_ATTRS value is counted.
   """
   attrs, non_broadcast_attrs = checkpoint_attrs(experiment)
-  per_device = mesh_lib.active_mesh() is None
+  per_device = mesh_lib.placement().per_device
   parts = []
   for attr, name in [*attrs.items(), *non_broadcast_attrs.items()]:
     value = getattr(experiment, attr, None)

@@ -19,9 +19,6 @@ from jaxline_ng import devices, errors, multihost
 
 PLACEMENTS = ("pmap", "mesh")
 
-_active: list[Mesh | None] = [None]
-
-
 def _parse_shape(mesh_shape) -> list[tuple[str, int]]:
   if isinstance(mesh_shape, str):
     axes = []
@@ -67,35 +64,6 @@ def mesh_axes(mesh_shape) -> tuple[tuple[str, ...], tuple[int, ...]]:
     raise ValueError(f"config.mesh_shape={shown!r} has {math.prod(sizes)} "
                      f"positions for {devices} devices")
   return names, tuple(sizes)
-
-
-def activate(config) -> Mesh | None:
-  """Builds the mesh `config` asks for (or clears it, in pmap mode) and returns it."""
-  if config.placement != "mesh":
-    _active[0] = None
-    return None
-  names, sizes = mesh_axes(config.mesh_shape)
-  # Auto axes: shardings are placement hints XLA propagates, as jit users
-  # expect (`make_mesh` would default to Explicit axes, which type them).
-  _active[0] = jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
-  return _active[0]
-
-
-def active_mesh() -> Mesh | None:
-  """The run's mesh in mesh mode; None in pmap mode."""
-  return _active[0]
-
-
-class NoMeshError(RuntimeError, errors.OneLineError):
-  """A mesh helper called in a run that is not in mesh mode; the message names the config key."""
-
-
-def current_mesh() -> Mesh:
-  """The run's mesh; raises NoMeshError if the run is not in mesh mode."""
-  if _active[0] is None:
-    raise NoMeshError("the experiment uses the mesh, but config.placement is not 'mesh': set "
-                      "it (--config.placement=mesh) to run in mesh mode")
-  return _active[0]
 
 
 def sharding(*spec: Any) -> NamedSharding:
@@ -164,3 +132,87 @@ def restore_like(live: Any, saved: Any) -> Any:
     return jax.tree.map(
         lambda leaf: replicate(leaf) if isinstance(leaf, (np.ndarray, np.generic)) else leaf, saved)
   return jax.tree.map(put, live, saved)
+
+
+class PmapPlacement:
+  """pmap mode: replicated values carry a leading axis of local devices, a copy on each."""
+
+  name, mesh, mesh_shape, per_device = "pmap", None, None, True
+  replicate = staticmethod(devices.bcast_local_devices)
+
+  def one_copy(self, tree: Any, fresh: bool) -> Any:
+    return devices.get_first(tree)
+
+  def restored(self, live: Any, saved: Any) -> Any:
+    return devices.bcast_local_devices(saved)
+
+  def step_counter(self, global_step: int, on_devices: bool = False) -> Any:
+    counter = np.full(jax.local_device_count(), global_step, np.int32)
+    return devices.put_per_device(counter) if on_devices else counter
+
+
+class MeshPlacement:
+  """Mesh mode: global arrays over `mesh`, taken whole; a key or step count is one value."""
+
+  name, per_device = "mesh", False
+  restored = staticmethod(restore_like)
+
+  def __init__(self, mesh: Mesh):
+    self.mesh, self.mesh_shape = mesh, dict(mesh.shape)
+
+  def replicate(self, value: Any) -> Any:
+    return devices.placed_from_host(value, replicate)
+
+  def one_copy(self, tree: Any, fresh: bool) -> Any:
+    return devices.fresh_copies(tree) if fresh else tree
+
+  def step_counter(self, global_step: int, on_devices: bool = False) -> Any:
+    return np.int32(global_step)
+
+
+PMAP = PmapPlacement()
+_active: list[PmapPlacement | MeshPlacement] = [PMAP]
+
+
+def activate(config) -> Mesh | None:
+  """Builds the mesh `config` asks for (or clears it, in pmap mode) and returns it."""
+  if config.placement != "mesh":
+    _active[0] = PMAP
+    return None
+  names, sizes = mesh_axes(config.mesh_shape)
+  # Auto axes: shardings are placement hints XLA propagates, as jit users
+  # expect (`make_mesh` would default to Explicit axes, which type them).
+  _active[0] = MeshPlacement(
+      jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names)))
+  return _active[0].mesh
+
+
+def placement() -> PmapPlacement | MeshPlacement:
+  """How this run places values; the one place the pmap/mesh choice is read.
+
+  Both offer `replicate(value)`: one array or key placed as steps take it;
+  `one_copy(tree, fresh)`: one copy of CHECKPOINT_ATTRS values (new buffers if
+  `fresh`); `restored(live, saved)`: saved values placed as the live ones;
+  `step_counter(global_step, on_devices)`: `global_step` as `step` gets it (new
+  host values, so a step changing them leaves the loop's count), or on the devices
+  as jaxline gives it to `evaluate`; `per_device`: whether replicated values carry
+  a leading device axis.
+  """
+  return _active[0]
+
+
+def active_mesh() -> Mesh | None:
+  """The run's mesh in mesh mode; None in pmap mode."""
+  return _active[0].mesh
+
+
+class NoMeshError(RuntimeError, errors.OneLineError):
+  """A mesh helper called in a run that is not in mesh mode; the message names the config key."""
+
+
+def current_mesh() -> Mesh:
+  """The run's mesh; raises NoMeshError if the run is not in mesh mode."""
+  if _active[0].mesh is None:
+    raise NoMeshError("the experiment uses the mesh, but config.placement is not 'mesh': set "
+                      "it (--config.placement=mesh) to run in mesh mode")
+  return _active[0].mesh

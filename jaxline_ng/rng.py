@@ -85,14 +85,6 @@ def seed_keys(random_seed: int, legacy_random_seed_behavior: bool):
   return train_key, init_key
 
 
-def replicate_key(key):
-  """One key placed as the run's steps take it: a copy per local device
-  (pmap), or one global key replicated over the mesh (mesh mode)."""
-  if mesh_lib.active_mesh() is None:
-    return devices.bcast_local_devices(key)
-  return devices.placed_from_host(key, mesh_lib.replicate)
-
-
 @debugging.compiled(static_argnames=("mode", "process"))
 def _split_step(chain, mode: str, process: int):
   """`(step key, next chain)`: jaxline's split, the step key specialised by `mode`."""
@@ -150,12 +142,11 @@ def place_chain(value, like=None):
   if devices.is_typed_key(value):
     value = jax.random.key_data(value)
   value = np.asarray(jax.device_get(value))
-  if mesh_lib.active_mesh() is not None:
-    placed = mesh_lib.replicate(value if value.ndim == 1 else _common_row(value))
-  elif value.ndim == 2 and value.shape[0] == jax.local_device_count():
+  placement = mesh_lib.placement()
+  if placement.per_device and value.ndim == 2 and value.shape[0] == jax.local_device_count():
     placed = devices.put_per_device(value)
   else:
-    placed = devices.bcast_local_devices(value if value.ndim == 1 else _common_row(value))
+    placed = placement.replicate(value if value.ndim == 1 else _common_row(value))
   if devices.is_typed_key(typed):
     return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(typed))
   return placed
@@ -175,22 +166,15 @@ def eval_keys(random_seed: int, mode: str):
   `mode` per local device (pmap), or one global key (mesh mode, host part only)."""
   check_random_mode(mode, "random_mode_eval")
   key = jax.random.PRNGKey(random_seed)
-  if mesh_lib.active_mesh() is not None:
+  placement = mesh_lib.placement()
+  if not placement.per_device:
     check_mesh_random_mode(mode, "random_mode_eval")
-    key = _specialize(key, _host_part_only(mode), jax.process_index(), 0)
-    return devices.placed_from_host(key, mesh_lib.replicate)
+    return placement.replicate(_specialize(key, _host_part_only(mode), jax.process_index(), 0))
   keys = jax.vmap(lambda position: _specialize(key, mode, jax.process_index(), position))(
       jnp.arange(jax.local_device_count()))
   return devices.placed_from_host(keys, devices.put_per_device)
 
 
-# The largest step count `step_counter` holds: jaxline's `global_step` is int32.
+# The largest step count a step's `global_step` holds: jaxline's is int32.
 MAX_STEP = int(np.iinfo(np.int32).max)
 
-
-def step_counter(global_step: int):
-  """`global_step` as a step receives it: a new host `int32[local devices]` (pmap)
-  or `int32` scalar (mesh mode), so a step changing it leaves the loop's count."""
-  if mesh_lib.active_mesh() is not None:
-    return np.int32(global_step)
-  return np.full(jax.local_device_count(), global_step, np.int32)

@@ -109,7 +109,7 @@ def test_mesh_params_sharded_over_two_processes_save_resume_and_match(tmp_path):
 @pytest.fixture
 def back_to_pmap_mode():
   yield
-  mesh._active[0] = None  # pylint: disable=protected-access
+  mesh._active[0] = mesh.PMAP  # pylint: disable=protected-access
 
 
 def test_mesh_checkpoint_restores_onto_another_mesh_shape(tmp_path, back_to_pmap_mode):
@@ -145,7 +145,7 @@ def test_a_mesh_save_makes_no_device_copy_and_keeps_its_step_while_training_dona
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from jaxline_ng import base_config, devices, experiment, rng  # pylint: disable=import-outside-toplevel
+  from jaxline_ng import base_config, devices, experiment  # pylint: disable=import-outside-toplevel
 
   class Weights(experiment.AbstractExperiment):
     CHECKPOINT_ATTRS = {"_params": "params"}
@@ -168,7 +168,7 @@ def test_a_mesh_save_makes_no_device_copy_and_keeps_its_step_while_training_dona
   checkpointer = disk_checkpointing.DiskCheckpointer(config, "train")
   state = checkpointer.get_experiment_state("latest")
   state.experiment_module, state.global_step = Weights("train"), 1
-  state.train_step_rng = rng.replicate_key(jax.random.PRNGKey(0))
+  state.train_step_rng = mesh.placement().replicate(jax.random.PRNGKey(0))
   # Orbax's own copy to the host is the save's only one: a device copy doubled its memory.
   monkeypatch.setattr(devices, "fresh_copies", lambda tree: pytest.fail("copied on the devices"))
   checkpointer.save("latest")

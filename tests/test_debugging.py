@@ -7,7 +7,7 @@ import helpers
 import jax
 import jax.numpy as jnp
 
-from jaxline_ng import debugging, devices, rng
+from jaxline_ng import debugging, devices, mesh, rng
 
 # An experiment with a pmap built at import time (as some published code does)
 # and a pmap and a jit built in __init__ (as most does); each reports what it
@@ -115,7 +115,7 @@ def test_own_device_helpers_stay_compiled_under_disable_jit():
   rng._split_step.jitted.clear_cache()  # pylint: disable=protected-access
   with jax.disable_jit():
     assert (double(jnp.ones(3)) == 2).all() and (double(jnp.ones(3)) == 2).all()
-    rng.StepKeys("unique_host_unique_device").next(rng.replicate_key(jax.random.PRNGKey(0)))
+    rng.StepKeys("unique_host_unique_device").next(mesh.placement().replicate(jax.random.PRNGKey(0)))
     copies = devices.fresh_copies({"w": jnp.arange(4.0)})
   assert len(traces) == 1  # Traced once, then compiled; eager would run the body each call.
   assert rng._split_step.jitted._cache_size() == 1  # pylint: disable=protected-access

@@ -289,6 +289,6 @@ def test_char_lm_mesh_mode_shards_weight_matrices_over_model():
     moment_specs = {leaf.sharding.spec for leaf in jax.tree.leaves(lm._opt_state)
                     if getattr(leaf, "ndim", 0) == 2}
   finally:
-    mesh._active[0] = None  # pylint: disable=protected-access
+    mesh._active[0] = mesh.PMAP  # pylint: disable=protected-access
   assert PartitionSpec(None, "model") in specs and PartitionSpec() in specs
   assert moment_specs == {PartitionSpec(None, "model")}

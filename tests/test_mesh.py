@@ -39,7 +39,7 @@ class Recorder:
 @pytest.fixture(autouse=True)
 def back_to_pmap_mode():
   yield
-  mesh._active[0] = None  # pylint: disable=protected-access
+  mesh._active[0] = mesh.PMAP  # pylint: disable=protected-access
 
 
 def toy_config(tmp_path, placement, steps=50, **overrides):

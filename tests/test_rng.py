@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxline_ng import devices, rng
+from jaxline_ng import devices, mesh, rng
 
 
 def chain_of(seed):
@@ -137,9 +137,12 @@ def test_eval_keys_are_the_seeds_key_specialised():
 
 
 def test_step_counter_is_a_host_array_per_device():
-  steps = rng.step_counter(12)
+  steps = mesh.placement().step_counter(12)
   assert isinstance(steps, np.ndarray) and steps.shape == (jax.local_device_count(),)
   assert (steps == 12).all()
+  # `evaluate` gets them on the devices, one row each, as jaxline's bcast_local_devices.
+  on_devices = mesh.placement().step_counter(12, on_devices=True)
+  assert devices.one_row_per_device(on_devices) and (np.asarray(on_devices) == 12).all()
 
 
 @pytest.mark.parametrize("mode", ["unique_host_unique_device", "same_host_same_device"])
