@@ -199,13 +199,14 @@ def every_host_saves(checkpointer: Checkpointer, all_hosts_key: str, config) -> 
   """
   if checkpointer.every_process_saves:
     return True
-  if not config[all_hosts_key] or jax.process_count() == 1:
+  if not config[all_hosts_key]:
     return False
   if checkpointer.restores_by_path:
-    logging.log_first_n(
-        logging.WARNING, "[jaxline_ng] config.%s=True is ignored: every process restores the "
-        "chief's checkpoints, so the other processes' copies would never be read.", 1,
-        all_hosts_key)
+    if jax.process_count() > 1:
+      logging.log_first_n(
+          logging.WARNING, "[jaxline_ng] config.%s=True is ignored: every process restores the "
+          "chief's checkpoints, so the other processes' copies would never be read.", 1,
+          all_hosts_key)
     return False
   return True
 
