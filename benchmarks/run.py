@@ -27,6 +27,8 @@ Prints a table and writes it as JSON (`--out`).
 - noise: the hand-written pmap loop against itself, paired the same way. It
   reads 1 up to the machine's noise: its confidence interval is how far
   apart two identical loops can measure, the floor under every other ratio.
+- digits: the digits example's ConvNet under `jaxline_ng.train` vs a
+  hand-written loop calling its update (`benchmarks/digits.py`).
 - overhead: the framework's own time per step, timed around a step that
   does no device work (the loop's bookkeeping alone), as a share of the
   hand-written loop's step time. Unlike the ratios, it does not drown in
@@ -331,7 +333,18 @@ def worker_interleaved(a: list, b: list, rounds: int) -> dict:
   return {"pairs": pairs}
 
 
+def worker_digits_hand(warmup: int, steps: int) -> dict:
+  from benchmarks import digits  # pylint: disable=import-outside-toplevel
+  return digits.hand(warmup, steps, _per_device_step_keys)
+
+
+def worker_digits_framework(warmup: int, steps: int) -> dict:
+  from benchmarks import digits  # pylint: disable=import-outside-toplevel
+  return digits.framework(warmup, steps, _timed_steps)
+
+
 WORKERS = {"hand": worker_hand, "hand_jit": worker_hand_jit, "framework": worker_framework,
+           "digits_hand": worker_digits_hand, "digits_framework": worker_digits_framework,
            "interleaved": worker_interleaved, "overhead": worker_overhead,
            "save_stall": worker_save_stall, "startup": worker_startup}
 
@@ -397,7 +410,7 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
   parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results.json"))
   parser.add_argument("--only", default="",
-                      help="comma-separated subset of: loop,loop_mesh,noise,overhead,"
+                      help="comma-separated subset of: loop,loop_mesh,noise,digits,overhead,"
                            "logging,checkpoint,save_stall,startup (prints JSON, not the table)")
   parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
   parser.add_argument("--kwargs", default="{}", help=argparse.SUPPRESS)
@@ -411,6 +424,7 @@ def main(argv=None) -> int:
     _IN_PROCESS.append(True)
   processes, rounds, steps, warmup = ((1, 1, 20, 5) if args.smoke else
                                       (args.processes, args.rounds, args.steps, 50))
+  timed = {"warmup": warmup, "steps": steps}
   framework = {"warmup": warmup, "steps": steps, "write_every_step": False,
                "checkpoint_every": 0}
   measurements = {
@@ -425,6 +439,8 @@ def main(argv=None) -> int:
                                  ("framework", {**framework, "write_every_step": True})),
       "checkpoint": lambda: _paired(processes, rounds, ("framework", framework),
                                     ("framework", {**framework, "checkpoint_every": 10})),
+      "digits": lambda: _paired(processes, rounds, ("digits_hand", timed),
+                                ("digits_framework", timed)),
       "overhead": lambda: _run_worker("overhead", steps=200 if args.smoke else 20000),
       "save_stall": lambda: _run_worker("save_stall", saves=3 if args.smoke else 10),
       "startup": lambda: _run_worker("startup"),
@@ -449,6 +465,7 @@ def main(argv=None) -> int:
       ("loop: framework / hand-written steps/s", *_ratio_cells(loop), ">= 0.97"),
       ("loop, mesh mode: framework / hand-written jit", *_ratio_cells(loop_mesh), ">= 0.97"),
       ("noise: hand-written loop / itself (A/A)", *_ratio_cells(noise), "1 (control)"),
+      ("digits ConvNet: framework / hand-written", *_ratio_cells(results["digits"]), ">= 0.99"),
       ("framework's own time per step", f"{overhead['us_per_step']:.0f} us", "",
        f"{100 * overhead['us_per_step'] / hand_step_us:.1f}% of a {hand_step_us:.0f} us step",
        "<= 3%"),
