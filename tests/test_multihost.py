@@ -286,6 +286,18 @@ def test_an_exchange_gives_up_on_a_published_failure_or_its_predicate(monkeypatc
   assert multihost.exchange("answer", "theirs") == ["mine", "theirs"]
 
 
+def record_exits_for_peer(monkeypatch) -> list[str]:
+  """Failures `agreement.exit_for_peer` gets; each call raises SystemExit with the code."""
+  exits = []
+
+  def exit_for_peer(failure):
+    exits.append(failure)
+    raise SystemExit(int(failure.split()[1]))
+
+  monkeypatch.setattr(agreement, "exit_for_peer", exit_for_peer)
+  return exits
+
+
 def test_an_eval_process_waiting_for_the_chiefs_choice_ends_on_a_published_failure(monkeypatch):
   # The chief of an eval job failed before choosing: the wait for its choice
   # ends with the chief's exit code instead of polling until the watcher does.
@@ -298,13 +310,7 @@ def test_an_eval_process_waiting_for_the_chiefs_choice_ends_on_a_published_failu
   multihost.publish_failure("OSError: disk gone", 3)
   monkeypatch.setattr(agreement.jax, "process_index", lambda: 1)
   monkeypatch.setattr(evaluation.preemption, "stop_requested", lambda: False)
-  exits = []
-
-  def exit_for_peer(failure):
-    exits.append(failure)
-    raise SystemExit(int(failure.split()[1]))
-
-  monkeypatch.setattr(agreement, "exit_for_peer", exit_for_peer)
+  exits = record_exits_for_peer(monkeypatch)
   with pytest.raises(SystemExit):
     evaluation._agreed(0, choose=lambda: ("stop", None))  # pylint: disable=protected-access
   assert exits == ["0 3 OSError: disk gone"]
@@ -387,13 +393,7 @@ def test_a_difference_from_a_chief_that_has_failed_since_exits_on_the_chiefs_fai
                      json.dumps({"lock": "process 7 on host h"}), read_from=())
   multihost.publish_failure("config.x=1 is wrong", 1)
   monkeypatch.setattr(agreement.jax, "process_index", lambda: 1)
-  exits = []
-
-  def exit_for_peer(failure):
-    exits.append(failure)
-    raise SystemExit(int(failure.split()[1]))
-
-  monkeypatch.setattr(agreement, "exit_for_peer", exit_for_peer)
+  exits = record_exits_for_peer(monkeypatch)
   with pytest.raises(SystemExit):
     multihost.check_same_as_chief("sees config.checkpoint_dir", lambda: {"lock": None}, "why")
   assert exits == ["0 1 config.x=1 is wrong"]
