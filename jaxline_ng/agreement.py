@@ -1,19 +1,11 @@
 """What the processes of a run agree on without device collectives, and how a
 failure in one ends them all.
 
-Agreements go through the distributed runtime's key-value store, which any
-thread may use (device collectives must stay on the training thread, see
-`multihost`), and all take one form, `exchange`: processes publish a value
-under a name and read the values of the processes they need, until a
-process publishes a failure. Barriers (`rendezvous`), checks against process
-0 (`check_same_as_chief`), the chief's saves awaiting the others' verdicts
-(`guards.PeerChecks`) and an eval job's choice of checkpoint are exchanges.
-A requested stop (SIGTERM to any process, Ctrl-C, the wall-clock budget) goes
-through JAX's preemption service: every process learns of it and they agree
-on the step to stop after (`stop_agreed`). A failure in one process is
-published in the store, and every other process exits at once with the same
-code (`exit_when_a_peer_fails`), instead of waiting in a collective that will
-never complete.
+Every agreement is an `exchange` in the distributed runtime's key-value store
+(any thread may use it): barriers, checks against process 0, save verdicts, an
+eval job's choice. A stop is agreed through JAX's preemption sync point
+(`stop_agreed`). A failure is published, and every other process exits at once
+with its code (`exit_when_a_peer_fails`) rather than wait in a collective.
 """
 
 import atexit
@@ -37,20 +29,14 @@ from jaxline_ng.distributed import MultihostError
 
 # The key-value store key the first failing process writes; every process watches it.
 _FAILURE_KEY = "jaxline_ng/failure"
-# A wait (`wait_for`, e.g. for a key of the store) polls at most this far apart. JAX's
-# blocking read is not used: each one that times out leaks native memory, in
-# the process and in process 0's coordination service, where a read of a
-# missing key leaks nothing. Every run's exit also waits for its watchers to
-# notice they should stop, so this bounds that too.
+# The longest gap between a wait's polls: JAX's blocking read leaks native memory
+# at each timeout, a read of a missing key nothing. It also bounds a run's exit.
 _POLL_SECS = 0.1
-# How long the callbacks registered with `at_peer_failure` (pending saves,
-# writer flushes) may take before the process exits anyway: they can wait on
-# a step that a dead peer's collective blocks.
+# How long `at_peer_failure` callbacks may take: a dead peer's collective can block them.
 _PEER_FAILURE_FLUSH_SECS = 10.0
 _at_peer_failure: list[Callable[[], None]] = []
-# Which `platform.main` call of this program runs (`begin_run`): published
-# code may call it twice (train, then evaluate), and every process makes the
-# same calls, so one call's store keys (`run_key`) never meet another's.
+# Which `platform.main` call of this program runs (`begin_run`), so that one
+# call's store keys (`run_key`) never meet another's.
 _run_index = 0
 # How often each barrier name has been passed, so a name can be used again.
 _barriers: dict[str, int] = {}
@@ -60,8 +46,7 @@ _watching = threading.Event()  # Set once `exit_when_a_peer_fails` started its w
 _exiting_for_peer = threading.Lock()  # Held by the thread ending this process for a peer.
 # Written by each process about to exit because a process failed.
 _EXITING_KEY = "jaxline_ng/exiting/{}"
-# How long process 0 still waits once the others said they exit: they do so
-# right after saying it, but the runtime's reply to them must arrive first.
+# Process 0's wait once the others said they exit, for the runtime's reply to reach them.
 _EXIT_AFTER_OTHERS_SECS = 1.0
 
 
@@ -96,8 +81,7 @@ def key_value_try_get(key: str) -> str | None:
 def wait_for(look: Callable[[], Any], give_up: Callable[[], bool]) -> Any:
   """What `look()` returns once it is not None, or None once `give_up()` is true.
 
-  Polls, soon after a call starts (what it waits for is usually near) and
-  then every `_POLL_SECS`; `look` runs at least once, before each `give_up()`.
+  Polls soon after the call, then every `_POLL_SECS`; `look` runs before each `give_up()`.
   """
   delay = 0.001
   while (value := look()) is None:
@@ -153,10 +137,8 @@ def exchange(name: str, value: str | None, read_from: Iterable[int] | None = Non
 def rendezvous(name: str = "jaxline_ng") -> None:
   """Blocks until every process reaches this point (a no-op with one process).
 
-  A barrier in the key-value store, not a device collective: any thread may
-  wait at it. Every process must pass the same names in the same order.
-  Once a process has published a failure it returns at once: that failure
-  ends this process too (`exit_when_a_peer_fails`).
+  Any thread may wait at it; every process passes the same names in the same
+  order. Returns once a process has published a failure (which ends this one).
   """
   if not distributed.is_multiprocess():
     return
@@ -168,14 +150,11 @@ barrier = rendezvous
 
 
 def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str) -> None:
-  """Raises MultihostError naming the keys where this process's `facts()`
-  (JSON-safe `{key: value}`) differ from process 0's: "process 1 {what}
-  unlike process 0: ...; {why}".
+  """Raises MultihostError naming the keys where this process's `facts()` (JSON-safe)
+  differ from process 0's: "process 1 {what} unlike process 0: ...; {why}".
 
-  Process 0 publishes its facts and goes on; each other process takes its
-  own once process 0's are published (so they may be facts of what process
-  0 did first), compares, and gives up waiting when a failure is published
-  (process 0's own is then the news). Each `what` is checked once per run.
+  Process 0 publishes and goes on; the others take their facts once its are
+  published (so they may follow what it did). Each `what` once per run.
   """
   if not distributed.is_multiprocess():
     return
@@ -191,10 +170,7 @@ def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str
   differing = [key for key in sorted(set(mine) | set(chiefs))
                if not run_record.same_value(mine.get(key), chiefs.get(key))]
   if differing:
-    if (failure := published_failure()) is not None:
-      # Process 0 failed after publishing its facts, undoing what they
-      # describe (its lock is released): its failure is the news, not the
-      # difference.
+    if (failure := published_failure()) is not None:  # Process 0's failure is the news.
       exit_for_peer(failure)
     shown = ", ".join(f"{key}={mine.get(key, '<absent>')!r} (process 0: "
                       f"{chiefs.get(key, '<absent>')!r})" for key in differing[:3])
@@ -204,27 +180,19 @@ def check_same_as_chief(what: str, facts: Callable[[], dict[str, Any]], why: str
 
 
 def give_preemption_notice() -> None:
-  """Starts JAX's preemption protocol from this process, as the scheduler's SIGTERM does.
-
-  `jax.distributed.initialize` installs JAX's SIGTERM handler, which is how
-  its preemption service hears of a notice; signalling this process is the
-  public way to give one.
-  """
+  """Starts JAX's preemption protocol from this process, as the scheduler's SIGTERM does
+  (the public way: JAX's runtime installs the SIGTERM handler its service hears by)."""
   os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_agreed(step: int) -> bool:
   """Whether every process agreed to stop now, after `step` steps.
 
-  JAX's preemption sync point: once any process has a preemption notice,
-  each reports the last step it passed here and all agree on the step after
-  the furthest; this returns True on every process at that step. Call it
-  with the step training starts from, then after every step. Until a notice
-  arrives it sets a counter under a lock: no communication.
-
-  Once this process is ending after a failure (`exit_after_failure`), the
-  call never returns: JAX's sync point can wait for processes that are gone
-  while holding the GIL, which the thread ending the process needs.
+  JAX's preemption sync point: once any process has a notice, all agree on
+  the step after the furthest reported; no communication before. Call it with
+  the start step, then after every step. Never returns once this process is
+  ending after a failure: the sync point could wait for gone processes holding
+  the GIL, which the ending thread needs.
   """
   if _ending.is_set():
     while True:
@@ -256,12 +224,9 @@ def published_failure() -> str | None:
 
 
 def exit_when_a_peer_fails() -> None:
-  """Starts a daemon thread that ends this process when another process publishes a failure.
-
-  Without it a failed peer leaves this process waiting in a collective until
-  the runtime's heartbeat times out (100 s), and the rest of the run with it.
-  Once per process: a later `platform.main` call keeps the first watcher.
-  """
+  """Starts a daemon thread that ends this process when another process publishes a
+  failure (else it waits in a collective until the runtime's heartbeat times out).
+  Once per process."""
   if _watching.is_set():
     return
   _watching.set()
@@ -287,11 +252,8 @@ def exit_when_a_peer_fails() -> None:
 
 
 def exit_for_peer(failure: str) -> None:
-  """Ends this process with the exit code of the `published_failure()` another process gave.
-
-  Once: a second thread that learns of the failure (the watcher, a wait that
-  gave up on it) waits here for the first to end the process.
-  """
+  """Ends this process with the exit code of the `published_failure()` another process
+  gave; a second thread that learns of it waits here for the first to end it."""
   if not _exiting_for_peer.acquire(blocking=False):
     while True:
       time.sleep(60)
@@ -317,14 +279,9 @@ def exit_for_peer(failure: str) -> None:
 def exit_after_failure(exit_code: int) -> None:
   """Ends this process at once after a process failed (this one or a peer).
 
-  Skips the graceful shutdown: JAX's distributed shutdown at interpreter
-  exit waits for every process, which would hang. Process 0 hosts JAX's
-  coordination service; gone first, it would make the others' runtime
-  clients abort their process (SIGABRT) before they exit with `exit_code`.
-  So each process says it is exiting, as the last thing it does, and
-  process 0 waits for every other one, the failed one included (it
-  publishes its failure, then comes here), to say so (at most
-  `_PEER_FAILURE_FLUSH_SECS` and a margin) before it exits.
+  Skips JAX's shutdown, which waits for every process. Process 0 hosts the
+  coordination service, whose going first would abort the others (SIGABRT),
+  so it waits (bounded) until each other process has said it is exiting.
   """
   _ending.set()
   logging.flush()

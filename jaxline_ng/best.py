@@ -1,10 +1,5 @@
-"""The `best` checkpoint series: saved when the eval metric strictly improves.
-
-`config.best_model_eval_metric` names a scalar `evaluate` returns;
-`best_model_eval_metric_higher_is_better` says which way is better. As in
-jaxline, comparisons are strict from -inf/+inf, so ties never save, and the
-experiment's `on_new_best_model(best_state)` runs before each save.
-"""
+"""The `best` checkpoint series: saved when `config.best_model_eval_metric` strictly
+improves (from -inf/+inf, as jaxline), after the experiment's `on_new_best_model`."""
 
 import math
 from collections.abc import Mapping
@@ -23,10 +18,8 @@ class BestTracker:
     self._higher_is_better = config.best_model_eval_metric_higher_is_better
     self._checkpointer = checkpointer
     self._state = checkpointer.get_experiment_state("best")
-    # As jaxline, the state holds every entry before `best` is restored into
-    # it: a checkpointer written for jaxline restores the entries it finds,
-    # the experiment's through its `restore_from_snapshot`. jaxline_ng's own
-    # checkpointers skip the weights of a state holding no experiment.
+    # As jaxline, every entry is there before the restore (jaxline's restore those held);
+    # jaxline_ng's skip the weights of a state holding no experiment.
     self._worst = -math.inf if self._higher_is_better else math.inf
     self._state.best_eval_metric_value = self._worst
     self._state.best_model_eval_metric = self._metric
@@ -39,9 +32,7 @@ class BestTracker:
     if getattr(self._state, "best_eval_metric_value", None) is None:
       self._state.best_eval_metric_value = self._worst
     saved_metric = self._state.best_model_eval_metric
-    if saved_metric != self._metric:
-      # Its best value is another metric's: compared with this one's, better
-      # checkpoints would go unsaved or worse ones be saved.
+    if saved_metric != self._metric:  # Its best value is another metric's.
       raise base_config.ConfigError(
           f"config.best_model_eval_metric={self._metric!r}, but the best checkpoints "
           f"(restore path {checkpointer.restore_path('best')}) are the best {saved_metric!r}: "
@@ -51,17 +42,13 @@ class BestTracker:
                  self._state.best_eval_metric_value)
 
   def start_at(self, step: int) -> None:
-    """Before the first evaluation, of `step`: a best saved past it is an
-    earlier run's (a run restarted afresh), which this run's must not have to
-    beat, nor mix with in one series. Set aside, as its metric rows are,
-    where the checkpointer can (`Checkpointer.set_aside`); else kept, to be beaten."""
+    """Before the first evaluation, of `step`: a best saved past it is an earlier run's,
+    set aside where the checkpointer can (else kept, to be beaten)."""
     if self._restored_step is None or self._restored_step <= step:
       return
     past = (f"The best checkpoint ({self._metric}={self._state.best_eval_metric_value} at step "
             f"{self._restored_step}) is past step {step}, evaluated first")
     self._restored_step = None
-    # A checkpointer of the user's may hold one best only: starting afresh
-    # would overwrite a better one.
     if not self._checkpointer.set_aside("best"):
       logging.warning("[jaxline_ng] %s: kept, so this run's best must beat it.", past)
       return

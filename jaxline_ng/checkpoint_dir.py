@@ -1,8 +1,5 @@
-"""Whether saves can write under a checkpoint_dir, and the error when a write fails.
-
-Checked when the checkpointer is made, not at the first save minutes of
-training later.
-"""
+"""Whether saves can write under a checkpoint_dir (checked before training, not at the
+first save), and the error when a write fails."""
 
 import errno
 import os
@@ -30,10 +27,9 @@ def os_error_code(error: Exception) -> int | None:
 
 def _existing_ancestor(path: str) -> str:
   """`path`, or the nearest directory above it that exists."""
-  existing = os.path.abspath(path)  # A relative path's dirname ends at "", which never exists.
-  while not os.path.lexists(existing):
-    existing = os.path.dirname(existing)
-  return existing
+  while not os.path.lexists(path := os.path.abspath(path)):
+    path = os.path.dirname(path)
+  return path
 
 
 def check_writable(path: str) -> None:
@@ -62,15 +58,11 @@ def check_checkpoint_dir(checkpoint_dir: str) -> None:
     path_max = None
   longest = len(os.fsencode(os.path.abspath(checkpoint_dir))) + _LONGEST_PATH_BELOW
   if path_max is not None and longest >= path_max:
-    # Else a whole save interval is trained before the first save fails.
     raise base_config.ConfigError(
         f"config.checkpoint_dir={checkpoint_dir[:40]!r}... is {len(checkpoint_dir)} "
         f"characters long: the checkpoints' paths below it would reach about {longest}, "
         f"beyond this filesystem's limit of {path_max} (PC_PATH_MAX): choose a shorter path")
-  if re.search(r"\[.*\]", checkpoint_dir):
-    # Orbax gathers the files a save wrote with a glob under the step's
-    # directory, which takes "[...]" in the path for a pattern: it would
-    # gather nothing, and no array saved there could be read back.
+  if re.search(r"\[.*\]", checkpoint_dir):  # Orbax's glob of a save's files would find none.
     raise base_config.ConfigError(
         f"config.checkpoint_dir={checkpoint_dir!r}: orbax cannot save under a path holding "
         "'[...]' (it takes it for a glob pattern): choose one without brackets")

@@ -1,23 +1,11 @@
 """The Checkpointer base class, the training state it saves, and in-memory series.
 
-A checkpointer keeps named series (`latest`, `best`) of snapshots of a run's
-state: an unlocked `ml_collections.ConfigDict`, as jaxline's, with
-`global_step` (int, steps completed), `train_step_rng` (the chain key) and
-`experiment_module` (the experiment); on the `best` series also
-`best_eval_metric_value`. The loops set the state a checkpointer hands out
-with `get_experiment_state(series)` and call `save`/`restore` on the series
-name; the checkpointer decides where snapshots live.
-
-`InMemoryCheckpointer` keeps jaxline's layout in `GLOBAL_CHECKPOINT_DICT`:
-`{series: CheckpointNT(active=threading.local(), history=[SnapshotNT(id,
-pickle_nest), ...])}`. Each thread has its own active state (so the train and
-eval threads of `train_eval_multithreaded` do not share one), while the
-history is shared. Published experiments and tests read and build these
-entries directly, in the jaxline 0.0.8 layout (`pickle_nest['experiment_module']`
-is the experiment's `snapshot_state()` dict) and the earlier one (it is the
-experiment object itself); both restore. They reach the dict as jaxline's
-`utils.GLOBAL_CHECKPOINT_DICT`, which `utils` re-exports; rebinding it there
-rebinds it here.
+A run's state is an unlocked ConfigDict, as jaxline's: `global_step`,
+`train_step_rng` (the chain key), `experiment_module` (and on `best`,
+`best_eval_metric_value`). `InMemoryCheckpointer` keeps jaxline's layout in
+`GLOBAL_CHECKPOINT_DICT` (`utils.GLOBAL_CHECKPOINT_DICT`), which published code
+reads and builds directly: `{series: CheckpointNT(active=threading.local(),
+history=[SnapshotNT(id, pickle_nest), ...])}`, one active state per thread.
 """
 
 import collections
@@ -49,20 +37,17 @@ class CheckpointSuperseded(Exception):
 
 
 def new_state() -> ml_collections.ConfigDict:
-  """An empty run state: an unlocked ConfigDict, as jaxline's. Not type-safe: a
-  restore written for jaxline may set a host copy over a device array."""
+  """An empty run state: an unlocked ConfigDict, not type-safe (as jaxline's)."""
   return ml_collections.ConfigDict(type_safe=False)
 
 
 def snapshotted_items(state) -> dict[str, Any]:
-  """The entries of `state` a checkpoint holds, a dict set on it as a dict: all
-  but the experiment, which is snapshotted through its own `snapshot_state`."""
+  """The entries of `state` a checkpoint holds (ConfigDicts as dicts), but the experiment."""
   return {name: value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
           for name, value in state.items() if name != "experiment_module"}
 
 
-# The capabilities that describe each method: a subclass that overrides the
-# method loses them unless it declares them again (`Checkpointer.__init_subclass__`).
+# What overriding each method makes a subclass lose unless it declares it again.
 _CAPABILITIES_OF = {
     "get_experiment_state": ("keeps_run_entries",),
     "save": ("keeps_run_entries", "validates_saves"),
@@ -76,34 +61,26 @@ _CAPABILITIES_OF = {
 class Checkpointer:
   """How the loops save and restore a run's state by series name (`latest`, `best`).
 
-  jaxline's six methods, and the capabilities the loops use beyond them,
-  declared as class attributes whose defaults ask for nothing. A subclass
-  that overrides a method loses the capabilities that describe it unless it
-  declares them again in its own body: code written for jaxline subclasses
-  `utils.InMemoryCheckpointer` to save elsewhere too, and expects jaxline's
-  behaviour of it. Any other object with jaxline's methods is used through
-  `adapt`.
+  jaxline's six methods, and capabilities beyond them as class attributes whose
+  defaults ask for nothing. A subclass overriding a method loses the ones that
+  describe it unless it declares them again (code written for jaxline subclasses
+  `utils.InMemoryCheckpointer` and expects jaxline's behaviour).
   """
 
   # `save(series, validate=fn)` dispatches its copies, then calls `fn`, which
   # vetoes the save by raising (the non-finite guard waits meanwhile).
   validates_saves: bool = False
-  # The `latest` state keeps jaxline_ng's entries beside jaxline's (the run's
-  # config, compared on resume, and when the last periodic save ran). Code
-  # written for jaxline expects jaxline's entries alone: it may lock its state,
-  # or save it with a library that refuses a string or a dict of tuples.
+  # The `latest` state keeps jaxline_ng's entries (the run's config, the saving
+  # clock) beside jaxline's, which alone code written for jaxline may save.
   keeps_run_entries: bool = False
-  # `restore` loads the entries the checkpoint holds whatever the state holds,
-  # the experiment's only into a state holding one (jaxline's checkpointers
-  # restore the entries the state holds).
+  # `restore` loads the entries the checkpoint holds, not those the state holds.
   restores_saved_entries: bool = False
   # Every process reads the checkpoints the chief saves (on storage they
   # share), and `restore(series, path=p)` loads the one `restore_path` gave.
   restores_by_path: bool = False
   # Checkpoints live in this process's memory alone: a new process starts afresh.
   in_memory_only: bool = False
-  # Every process takes part in each save (each writes its shards of arrays
-  # spanning several processes).
+  # Every process takes part in each save (writing its shards).
   every_process_saves: bool = False
   # The `restore_path` checkpoint a fresh training run started from, if any.
   started_from: str | None = None
@@ -146,8 +123,7 @@ class Checkpointer:
     """Moves `ckpt_series` aside (kept), so that it starts afresh.
 
     Returns:
-      Whether it was: by default a series is kept, as one of the user's
-      checkpointer may hold the only copy.
+      Whether it was: by default not, as a user's checkpointer may hold the only copy.
     """
     del ckpt_series
     return False
@@ -159,8 +135,8 @@ class Checkpointer:
 
 
 class JaxlineCheckpointerAdapter(Checkpointer):
-  """A checkpointer written for jaxline (any object with its six methods, a
-  `mock.Mock()` too), used with no capability beyond them: each call goes to it."""
+  """A checkpointer written for jaxline (any object with its six methods), used with
+  no capability beyond them."""
 
   def __init__(self, checkpointer):
     self.wrapped = checkpointer
@@ -219,15 +195,10 @@ def adapt(checkpointer) -> Checkpointer:
 
 
 def device_snapshot(state, fresh: bool = True) -> dict[str, Any]:
-  """What a checkpoint of `state` holds, in fresh device buffers (dispatched, not waited for).
+  """What a checkpoint of `state` holds, in fresh device buffers (dispatched, not waited
+  for), so training may donate the live ones; without `fresh`, maybe the live ones.
 
-  The experiment's part is its `snapshot_state()`, which makes fresh
-  buffers; an override may return live ones, so those are copied. Training
-  may then donate or replace the live arrays without touching the snapshot,
-  and taking it does not wait for the devices. The loop's
-  own entries (the step, the chain key) are replaced each step, never
-  donated, so they are kept as they are. Without `fresh`, arrays may be the
-  live ones: for a saver that copies them before training goes on.
+  An overridden `snapshot_state()` may return live buffers: they are copied.
   """
   nest = snapshotted_items(state)
   module = getattr(state, "experiment_module", None)
@@ -265,13 +236,8 @@ def restore_snapshot(state: ml_collections.ConfigDict, nest: dict[str, Any]) -> 
 
 
 class InMemoryCheckpointer(Checkpointer):
-  """Keeps up to `max_checkpoints_to_keep` snapshots per series, on device as jaxline did.
-
-  As jaxline: `save` appends a snapshot to the series before it returns, so
-  `history[-1]` is that save, its `pickle_nest` a `ConfigDict`. Its arrays
-  are fresh device copies (`device_snapshot`), dispatched before the
-  non-finite check waits for the newest step, so the devices copy meanwhile.
-  """
+  """Keeps up to `max_checkpoints_to_keep` snapshots per series, on device as jaxline did:
+  `save` appends one before it returns, its `pickle_nest` a ConfigDict."""
 
   validates_saves = True
   keeps_run_entries = True
@@ -298,9 +264,7 @@ class InMemoryCheckpointer(Checkpointer):
 
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Snapshots the live state of `ckpt_series`; `validate()` may veto it by raising."""
-    nest = device_snapshot(self.get_experiment_state(ckpt_series))
-    # Validating waits for the step to finish: the copies dispatched first keep
-    # the devices busy meanwhile, not idle while the host makes them.
+    nest = device_snapshot(self.get_experiment_state(ckpt_series))  # Copied while validating.
     if validate is not None:
       validate()
     snapshot = ml_collections.ConfigDict(nest)
@@ -334,11 +298,8 @@ class InMemoryCheckpointer(Checkpointer):
 
 
 def get_checkpoint_dir(config, host_id: int) -> str:
-  """A directory for `host_id`'s own files under `config.checkpoint_dir`, created.
-
-  Not in public jaxline, but published experiments call it to place files
-  they write themselves (e.g. an exported best model).
-  """
+  """A directory for `host_id`'s own files under `config.checkpoint_dir`, created
+  (not public jaxline's, but published experiments call it)."""
   path = os.path.join(config.checkpoint_dir, f"host_{host_id}")
   os.makedirs(path, exist_ok=True)
   return path

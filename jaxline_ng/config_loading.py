@@ -1,9 +1,5 @@
-"""From the `--config` flag to the config a run uses.
-
-Loading errors become one-line flag errors naming the file or override, a
-`get_config()` returning a plain dict is accepted, and the run's paths are
-made absolute once, before anything reads them.
-"""
+"""From the `--config` flag to the config a run uses: loading errors in one line naming
+the file or override, a plain dict accepted, the run's paths made absolute once."""
 
 import os
 import re
@@ -14,15 +10,6 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from jaxline_ng import base_config
-
-
-def _override_naming(key: str) -> str | None:
-  """The `--config.a.b.c` argument on the command line that has `key` in its path, if any."""
-  for arg in sys.argv[1:]:
-    path = arg.split("=", 1)[0]
-    if path.startswith("--config.") and key in path.split(".")[1:]:
-      return path
-  return None
 
 
 def report_errors_in_one_line(config_flag) -> None:
@@ -59,7 +46,8 @@ def report_errors_in_one_line(config_flag) -> None:
         cause = cause.args[0]
       message = str(cause.args[0]) if cause.args else str(cause)
       key = message.splitlines()[0].strip("\"'") if message.strip() else ""
-      override = _override_naming(key)
+      overrides = [arg.split("=", 1)[0] for arg in sys.argv[1:] if arg.startswith("--config.")]
+      override = next((path for path in overrides if key in path.split(".")[1:]), None)
       if "has no attribute 'get_config'" in message:
         raise flags.IllegalFlagValueError(f"config file {path!r} defines no get_config()") from None
       if override is None:  # Raised by the config file's own code.
@@ -99,11 +87,9 @@ def as_config_dict(config, config_flag) -> ml_collections.ConfigDict:
 
 
 def make_paths_absolute(config) -> None:
-  """Makes `checkpoint_dir`, `restore_path` and `compilation_cache_dir` absolute,
-  once: orbax refuses relative paths, and a later `chdir` would move the run's
-  files. An empty `checkpoint_dir` is the working directory, as for jaxline's
-  writers; the other two stay empty (none, off).
-  """
+  """Makes `checkpoint_dir` (empty: the working directory, as jaxline's writers),
+  `restore_path` and `compilation_cache_dir` absolute, once: orbax refuses relative
+  paths, and a later `chdir` would move the run's files."""
   for key in ("checkpoint_dir", "restore_path", "compilation_cache_dir"):
     given = config[key]
     if not given and key != "checkpoint_dir":
@@ -117,9 +103,7 @@ def make_paths_absolute(config) -> None:
           f"config.{key}={given!r} is a {type(given).__name__}; give a directory path (a "
           'string; "" for the working directory)' if key == "checkpoint_dir" else
           f"config.{key}={given!r} is a {type(given).__name__}; give a path (a string)")
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", given):
-      # The run's lock, records and metrics are files written with Python's
-      # own I/O: a URL would become a relative directory named "gs:".
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", given):  # Python's I/O would make "gs:" a dir.
       raise base_config.ConfigError(
           f"config.{key}={given!r}: jaxline_ng keeps runs on a local or mounted filesystem, "
           "not at a URL: mount the bucket (gcsfuse, s3fs) and give the mount's path")

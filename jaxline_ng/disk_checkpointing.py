@@ -1,26 +1,12 @@
 """Durable checkpoints on disk, as native orbax checkpoints: `DiskCheckpointer`.
 
-Select with `config.checkpointer = "disk"`. Each series (`latest`, `best`)
-lives in `<checkpoint_dir>/checkpoints/<series>/<step>/`, the newest
-`max_checkpoints_to_keep` kept; a step directory's items are described in
-`checkpoint_format`, reading one back in `checkpoint_restore`.
-
-Saving dispatches each array's checksum on the calling thread; the
-non-finite guard's check runs there too (it may veto the save, so nothing
-invalid is ever written), then orbax's asynchronous save copies the live
-arrays to the host before it returns (so donation and later steps cannot
-change what it writes) and writes them, uncompressed, on its own thread. In
-mesh mode every process writes the shards it holds, its barriers going
-through the distributed runtime's key-value store (never a device
-collective off the training thread). Orbax writes into a temporary
-directory and renames it when complete, so a process killed at any moment
-leaves only complete step directories; it keeps the newest
-`max_checkpoints_to_keep` (its `LatestN` policy).
-
-A checkpoint that is damaged is reported and the one before it used; the
-training job then moves the bad one aside (kept, under `<series>.unusable/`)
-so later saves go past its step. One that is sound but does not fit the
-experiment (entries, names or shapes the code no longer has) is refused.
+Each series lives in `<checkpoint_dir>/checkpoints/<series>/<step>/` (items:
+`checkpoint_format`; reading: `checkpoint_restore`). A save dispatches
+checksums and runs the non-finite check on the calling thread, then orbax's
+async save copies the arrays to the host and writes them on its thread, into a
+temporary directory renamed when complete; its `LatestN` keeps the newest. A
+damaged checkpoint is reported, the one before used, and the bad one moved
+aside (`<series>.unusable/`); one that does not fit the experiment is refused.
 """
 
 import contextlib
@@ -79,40 +65,25 @@ __all__ = ["DROP_EXTRA_KEY", "FORMAT", "CheckpointFormatError", "CheckpointRefus
 
 
 def _drop_orbax_info(record: python_logging.LogRecord) -> bool:
-  """A filter for absl's logger, added by the first DiskCheckpointer: orbax
-  logs each phase of every save at INFO through absl, a dozen lines a save,
-  and jaxline_ng logs each save in one line. Orbax's warnings pass."""
+  """Drops orbax's INFO lines from absl's logger (a dozen a save; jaxline_ng logs one)."""
   return record.levelno >= python_logging.WARNING or \
       f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 class _CheckpointManager(ocp.CheckpointManager):
-  """orbax's manager, kept from asking JAX's preemption sync point.
-
-  The sync point counts steps from the calls made to it, and orbax asks it
-  about each step it saves, again on its finalize thread after the loop has moved on:
-  a notice arriving then would have this process report a step the loop has
-  passed, and the processes could agree on a step it never reaches. The
-  loop alone asks (`preemption.StopCheck`) and saves the agreed step itself.
-  """
+  """orbax's manager, kept from asking JAX's preemption sync point: it would report
+  steps from its finalize thread after the loop moved on, and the processes could
+  agree on a step the loop never reaches. The loop alone asks (`preemption.StopCheck`)."""
 
   def reached_preemption(self, step: int) -> bool:
     del step
     return False
 
 
-
 def _as_orbax_takes_them(tree: dict[str, Any]) -> dict[str, Any]:
-  """The arrays of a snapshot as orbax is to record them.
-
-  In pmap mode as host copies: orbax records a device array's sharding, and
-  the per-device key chain's would let orbax alone read the checkpoint only
-  on as many devices. (A process of a multi-process run that saves alone
-  must hand over its own arrays so anyway.) Mesh-mode global arrays go as
-  they are: each process writes its shards. An array on one device is this
-  process's own (a NON_BROADCAST value): orbax refuses such a "host local"
-  array when several processes save.
-  """
+  """The arrays of a snapshot as orbax is to record them: in pmap mode host copies (a
+  recorded sharding would tie the checkpoint to as many devices); mesh-mode global
+  arrays as they are, but one-device arrays (orbax refuses them across processes)."""
   if mesh_lib.placement().per_device:
     return jax.device_get(tree)
   return jax.tree.map(lambda x: jax.device_get(x) if isinstance(x, jax.Array) and len(
@@ -130,17 +101,12 @@ class DiskCheckpointer(checkpointing.Checkpointer):
   def __init__(self, config, mode: str):
     check_checkpoint_dir(config.checkpoint_dir)
     logging.get_absl_logger().addFilter(_drop_orbax_info)  # Once: addFilter skips repeats.
-    # Train and eval processes share the series; each moves aside only
-    # damaged checkpoints of the series it writes.
     self._mode = mode
     self._writes = {"latest"} if mode in ("train", "train_eval_multithreaded") else {"best"}
     if mode == "train_eval_multithreaded":
       self._writes.add("best")
-    # Every process restores the chief's checkpoints (a shared filesystem is
-    # assumed), so all resume at the same step. In pmap mode, processes that
-    # save besides the chief (*_checkpoint_all_hosts) each write to a tree of
-    # their own; in mesh mode with several processes, arrays span processes
-    # and every process writes its shards into the one tree.
+    # Every process reads the chief's tree; in pmap mode others that save write their
+    # own, in mesh mode every process writes its shards into the chief's.
     self._read_root = os.path.join(config.checkpoint_dir, "checkpoints")
     self._root = self._read_root
     self.every_process_saves = config.placement == "mesh" and jax.process_count() > 1
@@ -154,35 +120,23 @@ class DiskCheckpointer(checkpointing.Checkpointer):
     self._lock = threading.Lock()
     self._pending: dict[str, int] = {}  # The step of each series orbax is writing.
     self._failure: BaseException | None = None  # A failed save's error, raised from then on.
-    # An eval job stops waiting for checkpoints that did not load once no
-    # training run can replace them.
     self.unloadable_newer: list[str] = []
     self.started_from: str | None = None
     for ckpt_series in self._writes:  # Now, not at the first save, minutes of training later.
       check_writable(self._series_dir(ckpt_series))
 
-  def _dir_name(self, ckpt_series: str) -> str:
-    """The directory of `ckpt_series`; an `eval_<name>` job's `best` is `best_<name>`:
-    evaluators of several modes run side by side on other data, and one shared
-    series would mix their metrics and hand each the other's value to beat."""
+  def _series_dir(self, ckpt_series: str, root: str | None = None) -> str:
+    """Where `ckpt_series` is written (read, from `self._read_root`); an `eval_<name>`
+    job's `best` is `best_<name>`, as evaluators side by side evaluate other data."""
     if ckpt_series == "best" and self._mode.startswith("eval_"):
-      return "best_" + self._mode[len("eval_"):]
-    return ckpt_series
-
-  def _series_dir(self, ckpt_series: str) -> str:
-    return os.path.join(self._root, self._dir_name(ckpt_series))
-
-  def _read_series_dir(self, ckpt_series: str) -> str:
-    return os.path.join(self._read_root, self._dir_name(ckpt_series))
+      ckpt_series = "best_" + self._mode[len("eval_"):]
+    return os.path.join(root or self._root, ckpt_series)
 
   def _manager(self, ckpt_series: str) -> ocp.CheckpointManager:
     with self._lock:
       if ckpt_series not in self._managers:
-        # Each saving process acts alone (only the chief saves by default),
-        # unless every process writes its shards.
         processes = orbax_processes(together=self.every_process_saves)
-        # Orbax leaves creating the directory to us (it would wait for every
-        # process at a barrier first).
+        # Made here: orbax would wait for every process at a barrier first.
         os.makedirs(self._series_dir(ckpt_series), exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(self._max_to_keep),
@@ -207,11 +161,9 @@ class DiskCheckpointer(checkpointing.Checkpointer):
   def save(self, ckpt_series: str, *, validate: Callable[[], None] | None = None) -> None:
     """Saves the live state as a step of `ckpt_series`, with orbax's asynchronous save.
 
-    On the calling thread: the arrays' checksums are dispatched, `validate`
-    runs (the non-finite guard; if it raises, nothing is saved), and orbax
-    copies the live arrays to the host; orbax writes them on its own thread. The next save and
-    `wait_for_checkpointing_to_finish` wait for that write. A failed save
-    fails the checkpointer for good: every later save and wait raises its error.
+    `validate` runs after the checksums are dispatched; if it raises, nothing is
+    saved. A failed write fails the checkpointer for good: every later save and
+    wait raises its error.
     """
     self.wait_for_checkpointing_to_finish()
     state = self.get_experiment_state(ckpt_series)
@@ -257,11 +209,8 @@ class DiskCheckpointer(checkpointing.Checkpointer):
 
   @contextlib.contextmanager
   def _failing_for_good(self, ckpt_series: str):
-    """Reports a failed write of `ckpt_series`'s pending step, and keeps it for later calls.
-
-    A filesystem's refusal becomes CheckpointWriteError naming the directory;
-    anything else is a bug, raised whole.
-    """
+    """Keeps a failed write's error for later calls; a filesystem's refusal becomes a
+    CheckpointWriteError naming the directory."""
     try:
       yield
     except (OSError, ValueError) as e:
@@ -292,9 +241,8 @@ class DiskCheckpointer(checkpointing.Checkpointer):
                  self._series_dir(ckpt_series))
 
   def _unlink_links_rotated_out(self, series_dir: str, step: int) -> None:
-    """Removes the symbolic links among the step directories that saving `step`
-    rotates out: the link, never its target, which orbax would delete through
-    or fail on (after saving, reporting the save failed)."""
+    """Removes the symbolic links among the step directories saving `step` rotates out,
+    never their targets, which orbax would delete through or fail on."""
     if not (multihost.is_chief() or not self.every_process_saves):
       return  # The chief rotates the one tree every process writes to.
     for old_step in sorted({*saved_steps(series_dir), step})[:-self._max_to_keep]:
@@ -307,7 +255,7 @@ class DiskCheckpointer(checkpointing.Checkpointer):
 
   def _candidates(self, ckpt_series: str) -> list[str]:
     """Step directories to restore from, newest first; `restore_path` for a fresh `latest`."""
-    series_dir = self._read_series_dir(ckpt_series)
+    series_dir = self._series_dir(ckpt_series, self._read_root)
     paths = [os.path.join(series_dir, str(step)) for step in reversed(saved_steps(series_dir))]
     if not paths and ckpt_series == "latest" and self._restore_path:
       # Another run's series, or its checkpoint_dir; else a step directory.
@@ -329,26 +277,23 @@ class DiskCheckpointer(checkpointing.Checkpointer):
   def restore(self, ckpt_series: str, path: str | None = None) -> None:
     """Loads the newest usable checkpoint of `ckpt_series`, or the one at `path`.
 
-    Newer ones that fail are reported and, by the process that writes the
-    series, moved aside once an older one has loaded. Raises
-    CheckpointRefused when none can be used.
+    Newer ones that fail are reported and, by the process writing the series,
+    moved aside once an older one has loaded.
 
     Args:
       ckpt_series: the series, e.g. "latest".
-      path: a step directory `restore_path` returned: the processes of a
-        multi-process evaluation restore the one the chief chose, even when
-        a newer one has landed since, and no other (the older ones each
-        lists can differ while another job rotates them out).
+      path: a step directory `restore_path` returned (the chief's choice), and no other.
+
+    Raises:
+      CheckpointRefused: when none can be used.
     """
     candidates = [path] if path is not None else self._candidates(ckpt_series)
     state = self.get_experiment_state(ckpt_series)
-    fresh_run = not saved_steps(self._read_series_dir(ckpt_series))
+    fresh_run = not saved_steps(self._series_dir(ckpt_series, self._read_root))
     live = devices.raw_keys(checkpointing.snapshotted_items(state))
     if getattr(state, "experiment_module", None) is not None:
       live["experiment_module"] = live_layout(state.experiment_module)
-    # The experiment's own mode where it keeps one (kfac-jax's does, and
-    # checkpoints fewer attributes in eval): an evaluator may share the
-    # trainer's checkpointer. Else this checkpointer's mode.
+    # The experiment's own mode where it keeps one: an evaluator may share the trainer's.
     training = getattr(getattr(state, "experiment_module", None), "mode", self._mode) == "train"
     failures = []
     for position, candidate in enumerate(candidates):
@@ -374,20 +319,14 @@ class DiskCheckpointer(checkpointing.Checkpointer):
             f"checkpoint {candidate} is at step {nest['global_step']}, beyond {rng.MAX_STEP}, "
             "the most steps a step's int32 global_step counts (as in jaxline)")
       starting = fresh_run and ckpt_series == "latest"
-      if starting:
-        # `restore_path` starts a new run where the other run's checkpoint is:
-        # its step, key chain and experiment state, so the new run continues
-        # it exactly (an optimizer's own step count and the schedules read
-        # from it agree with the step). Its config and saving clock are the
-        # other run's: an eval job would take that run's end for this one's.
+      if starting:  # From the other run's step and state, not its config and saving clock.
         nest = {name: value for name, value in nest.items()
                 if name not in ("run_config", "periodic_action_times")}
         if training:
           self.started_from = candidate
       if training:  # An evaluation takes no key from the chain.
         warn_if_another_topology(topology, nest["global_step"])
-        if not starting and ckpt_series == "latest" and self._restore_path:
-          # It starts new runs only: a requeued run keeps it on its command line.
+        if not starting and ckpt_series == "latest" and self._restore_path:  # New runs only.
           logging.warning("[jaxline_ng] config.restore_path=%r is not read: the run resumes its "
                           "own checkpoint %s.", self._restore_path, candidate)
       if not fresh_run:
@@ -403,12 +342,10 @@ class DiskCheckpointer(checkpointing.Checkpointer):
       return
     if not failures:
       raise CheckpointRefused(f"no checkpoint for series {ckpt_series!r} in {self._read_root}")
-    # A reader of a series another job writes may have lost a race with that
-    # job's rotation of old checkpoints: alone, or as one of the processes of
-    # an evaluation trying the chief's choice (they agree on going on).
+    # A reader of a series another job writes may have lost a race with its rotation.
     if ckpt_series not in self._writes and (path is not None or not multihost.is_multiprocess()):
       newest_failed = os.path.basename(failures[0][0])
-      steps_now = saved_steps(self._read_series_dir(ckpt_series))
+      steps_now = saved_steps(self._series_dir(ckpt_series, self._read_root))
       if newest_failed.isdigit() and steps_now and steps_now[-1] > int(newest_failed):
         raise checkpointing.CheckpointSuperseded(
             f"{failures[0][0]} did not load ({failures[0][1]}) and step {steps_now[-1]} has "
@@ -433,11 +370,8 @@ class DiskCheckpointer(checkpointing.Checkpointer):
                       "inspection; saving continues past its step).", path, target)
 
   def set_aside(self, ckpt_series: str) -> bool:
-    """Moves the series this process writes aside, kept beside it.
-
-    Where every process writes into one series (mesh mode), the chief moves
-    it and the others wait for that, before any of them saves there again.
-    """
+    """Moves the series this process writes aside, kept beside it (the chief's, where
+    every process writes into it, the others waiting for that)."""
     self._finish(ckpt_series)  # Not moved while orbax writes into it.
     series_dir = self._series_dir(ckpt_series)  # The chief's, or a process's own tree.
     if (multihost.is_chief() or not self.every_process_saves) and os.path.isdir(series_dir):

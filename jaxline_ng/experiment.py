@@ -96,10 +96,24 @@ class AbstractExperiment(abc.ABC):
     `action(time, global_step, scalars)`.
 
     The loop itself never waits for the devices: it dispatches steps ahead of
-    them. Actions wait: a save (for the newest step, whose scalars its
-    non-finite check reads, and before a disk save for the metric rows up to
-    it), the non-finite guard every `guards.MAX_UNCHECKED` steps logging has
-    not read, and logging that has fallen a second behind.
+    them. It waits only in these actions, every one of them here:
+      - a save (`loop_actions.default_periodic_actions`): the non-finite check
+        reads the newest step's scalars (`guards.NonFiniteGuard.seal`); before
+        a disk save the metric rows up to it are put on disk
+        (`loop_actions.flush_metrics`); the chief's save waits for the other
+        processes' data positions (`iterator_state.gather`) and for their
+        verdicts on the steps it covers (`guards.PeerChecks.before_save`);
+        a disk save first waits for the one before it to be written;
+      - the non-finite guard itself, once `guards.MAX_UNCHECKED` steps' scalars
+        went unread by logging (`guards.NonFiniteGuard.__call__`);
+      - logging and writing, once `periodic._MOST_BEHIND` due steps wait for
+        their background thread (`periodic.PeriodicAction`; the writer's own
+        queue, `writers.AsyncWriter`, is bounded behind that thread);
+      - with several processes, the stop agreement: JAX's preemption sync
+        point after every step, which communicates once a notice has come
+        (`agreement.stop_agreed`, from `preemption.StopCheck`).
+    After the loop, `train` waits for the final save and meets the other
+    processes at a barrier (`jaxline_ng_train_end`).
     """
     step = keyword_filtered(self.step)
     step_keys = rng_lib.StepKeys(config.random_mode_train)

@@ -1,27 +1,11 @@
-"""Run safety: a guard against non-finite training scalars.
+"""Run safety: a guard against non-finite training scalars (`config.non_finite_policy`:
+"halt" stops naming the first bad step and saves nothing after the last good one,
+"warn" logs it and goes on, "off").
 
-`config.non_finite_policy` chooses what happens when a scalar returned by
-`step` is NaN or infinite:
-
-- "halt" (default): training stops with `NonFiniteError` naming the first bad
-  step and its bad scalars, and nothing after the last good step is saved,
-  so `latest` stays the last finite state;
-- "warn": the same message is logged once per bad step and training goes on;
-- "off": no checking.
-
-The guard adds no device work and no host synchronisation per step: it rides
-on values that are read anyway. It sees the scalars the logging action
-fetches (`observe`, from the logging thread) and the newest step's scalars
-before every save (`seal`). Meanwhile it keeps a reference to each step's
-scalars since the last finite check, so when a check finds a non-finite
-value it reads those steps and names the first bad one. A non-finite value
-that neither logging nor a check read (gone again by the next check) is not
-reported; one that logging read always is, even if a check passed a later
-step first.
-
-Checking every step instead (a device reduction of its scalars, or a host
-read of each) would cost every step a dispatch or a wait for the devices;
-this design costs a deque append per step.
+The guard costs a deque append per step, no device work: it reads what logging
+reads (`observe`) and the newest step's scalars before each save (`seal`), and
+keeps each step's scalars since the last finite check to name the first bad
+one. A value neither read (gone by the next check) is not reported.
 """
 
 import collections
@@ -72,26 +56,20 @@ def non_finite_names(scalars: Mapping[str, Any]) -> list[str]:
 class NonFiniteGuard(periodic.EveryStepAction):
   """Keeps each step's scalars until a check, and finds the first bad step.
 
-  Call it after every step (as a periodic action) and `seal` on the loop's
-  thread; `observe` and what `seal` returns may run on any thread.
+  Call it after every step and `seal` on the loop's thread; `observe` and what
+  `seal` returns may run on any thread. `start_step`: the step resumed from.
   """
 
   def __init__(self, policy: str, start_step: int = 0):
-    """`start_step`: the step training resumes after; steps up to it were
-    checked before they were saved."""
     self._policy = policy
     self._unchecked: collections.deque[tuple[int, Any]] = collections.deque()
     self._lock = threading.Lock()
-    # The earliest step an observer saw non-finite, and the names it saw, until
-    # the loop's thread reports it; steps from it on are not forgotten meanwhile.
+    # The earliest step an observer saw non-finite, and its names, until the loop reports it.
     self._bad_seen: tuple[int, list[str]] | None = None
     self._failure: NonFiniteError | None = None
     self._failed_step: int | None = None
-    # For `verdict_through`, on another thread: a rerun of a finished run
-    # runs no step, yet its final save of `start_step` awaits a verdict.
-    self._newest_step = start_step
-    # Checks covering the same steps (logging's, a save's) may report
-    # at once; each step is examined once, so "warn" logs it once.
+    self._newest_step = start_step  # A rerun of a finished run's final save awaits a verdict.
+    # Checks covering the same steps may report at once: each step is examined once.
     self._report_lock = threading.Lock()
     self._reported_through = -1
     self._warned = 0  # Non-finite steps reported under "warn".
@@ -122,20 +100,25 @@ class NonFiniteGuard(periodic.EveryStepAction):
       if self._bad_seen is None or step < self._bad_seen[0]:
         self._bad_seen = (step, bad)
 
-  def seal(self, then: Callable[[], None] | None = None) -> "SealedCheck":
+  def seal(self, then: Callable[[], None] | None = None) -> Callable[[], None]:
     """A check of every step so far, to run before saving them (on any thread).
 
-    It reads the newest step's scalars (waiting for that step) and, if one
-    is not finite, the earlier unchecked ones to name the first bad step;
-    it raises `NonFiniteError` under "halt". Later steps never affect it.
-    If it passes, it runs `then` (the other processes' checks), which may
-    veto the save by raising.
+    It reads the newest step's scalars (waiting for that step) and, if one is
+    not finite, the earlier ones to name the first; it raises `NonFiniteError`
+    under "halt". Later steps never affect it. If it passes, it runs `then`
+    (the other processes' checks), which may veto the save by raising.
     """
     if self._bad_seen is not None:  # Logging saw one since the loop last looked.
       self._find_first_bad()
     with self._lock:
       steps = list(self._unchecked)
-    return SealedCheck(self, steps, then)
+
+    def sealed_check():
+      self._check_sealed(steps)
+      if then is not None:
+        then()
+
+    return sealed_check
 
   @property
   def newest_step(self) -> int:
@@ -143,18 +126,14 @@ class NonFiniteGuard(periodic.EveryStepAction):
     return self._newest_step
 
   def verdict_through(self, step: int, give_up: Callable[[], bool]) -> str:
-    """Checks every step up to `step` once the loop has run it: "ok", or why not.
-
-    For another thread (`PeerChecks`); a "halt" failure found here is also
-    raised by the loop at its next step. "stopped" if `give_up()` turns
-    true first.
-    """
+    """Checks every step up to `step` once the loop has run it (from `PeerChecks`'
+    thread): "ok", why not (the loop raises it too), or "stopped" once `give_up()`."""
     if agreement.wait_for(lambda: self._newest_step >= step or None, give_up) is None:
       return "stopped"
     with self._lock:
       steps = [entry for entry in self._unchecked if entry[0] <= step]
     try:
-      self._check_sealed(steps, None)
+      self._check_sealed(steps)
     except NonFiniteError as e:
       return str(e)
     return "ok"
@@ -163,16 +142,14 @@ class NonFiniteGuard(periodic.EveryStepAction):
     """Checks every step so far; raises (halt) or logs (warn) on the first bad one."""
     self.seal()()
 
-  def _check_sealed(self, steps: list[tuple[int, Any]], newest_host: Any | None) -> None:
+  def _check_sealed(self, steps: list[tuple[int, Any]]) -> None:
     # A save sealed before the bad step was found is judged on its own steps.
     if self._failure is not None and (not steps or steps[-1][0] >= self._failed_step):
       raise self._failure
     if self._policy == "off" or not steps:
       return
     newest_step, newest = steps[-1]
-    if newest_host is None:
-      newest_host = devices.first_copy_to_host(dict(newest))
-    if non_finite_names(newest_host):
+    if non_finite_names(devices.first_copy_to_host(dict(newest))):
       self._report_first_bad(steps)
     else:
       self._forget_up_to(newest_step)
@@ -192,9 +169,7 @@ class NonFiniteGuard(periodic.EveryStepAction):
       steps = [entry for entry in self._unchecked if entry[0] <= seen_at]
     self._report_first_bad(steps)
     with self._report_lock:
-      if seen_at > self._reported_through:
-        # A save's check had forgotten it before logging read it: what
-        # logging read is the evidence.
+      if seen_at > self._reported_through:  # A save's check forgot it: logging read it.
         self._reported_through = seen_at
         self._report(seen_at, seen_bad)
 
@@ -235,39 +210,17 @@ class NonFiniteGuard(periodic.EveryStepAction):
     self.check()
 
 
-class SealedCheck:
-  """`NonFiniteGuard.seal()`'s check of the steps up to a save; call it to run it."""
-
-  def __init__(self, guard: NonFiniteGuard, steps: list[tuple[int, Any]],
-               then: Callable[[], None] | None = None):
-    self._guard = guard
-    self._steps = steps
-    self._then = then
-
-  def __call__(self, newest_host: Any | None = None) -> None:
-    """Runs the check; `newest_host` is the newest step's scalars if already read."""
-    self._guard._check_sealed(self._steps, newest_host)  # pylint: disable=protected-access
-    if self._then is not None:
-      self._then()
-
-
 class PeerFailedError(RuntimeError):
   """Another process of the run failed or found a non-finite value: the save is not kept."""
 
 
 class PeerChecks:
-  """Multi-process runs: the chief saves a step once every process has checked it.
+  """Multi-process runs: the chief saves a step once every process has checked it
+  (a per-process value can be non-finite in one process only).
 
-  Each process's guard sees only its own scalars, and a value one process
-  alone returns (a per-process metric) can be non-finite there only. So the
-  chief's n-th save announces its step s (`agreement.exchange` "save/n") and
-  waits for each other process's verdict ("verdict/n") on its own steps up
-  to s; those answer from a thread of their own (`answer`) once their loop
-  has run step s. A verdict other than "ok", or a failure published
-  meanwhile, vetoes the save; the process that found a non-finite value then
-  fails the run. It costs, per save, one store write and read per process
-  and each process's read of its newest scalars; the chief's training thread
-  waits for the verdicts.
+  The chief's n-th save announces its step s ("save/n") and waits on its training
+  thread for each other process's verdict ("verdict/n") on its steps up to s,
+  given from a thread of their own (`answer`). Anything but "ok" vetoes the save.
   """
 
   def __init__(self, guard: NonFiniteGuard):
@@ -306,9 +259,8 @@ class PeerChecks:
     return agreement.published_failure().split(" ", 2)[2]
 
   def answer_before_failing(self) -> None:
-    """Leaves this process's verdict on the steps it completed, before it
-    publishes a failure: an exception at step 12 says nothing against step
-    10, whose save the chief may have announced a moment before."""
+    """Leaves this process's verdict on the steps it completed before it fails: an
+    error at step 12 says nothing against the save of step 10 announced just before."""
     step = self._guard.newest_step
 
     def leave():
@@ -318,8 +270,7 @@ class PeerChecks:
       except Exception:  # pylint: disable=broad-except  (the failure itself is the news)
         logging.exception("[jaxline_ng] Could not leave a verdict on step %d:", step)
 
-    # Bounded: reading the step's scalars waits for its collectives, which a
-    # peer that is gone too would never finish.
+    # Bounded: reading the scalars waits for collectives a gone peer never finishes.
     leaving = threading.Thread(target=leave, name="jaxline_ng_last_verdict", daemon=True)
     leaving.start()
     leaving.join(timeout=_LAST_VERDICT_SECS)

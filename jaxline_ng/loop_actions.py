@@ -1,13 +1,5 @@
-"""The training loop's own periodic actions: checks after the first step,
-the progress line, writing scalars, and periodic saves.
-
-`default_periodic_actions` builds them for `train.train`. Every place they
-make the loop wait is a read of a step's values on the host: logging and
-writing on their background threads (the loop waits only when they fall
-`periodic._MOST_BEHIND` due steps behind), the non-finite check before each
-save, and the metric rows put on disk before a durable save
-(`flush_metrics`).
-"""
+"""The training loop's own periodic actions: checks after the first step, the
+progress line, writing scalars, and periodic saves (where they wait: `train_loop`)."""
 
 import math
 import time
@@ -22,10 +14,8 @@ from jaxline_ng import scalars as scalars_lib
 
 
 class DifferingCopies:
-  """Warns, once per entry, of CHECKPOINT_ATTRS whose copies differ between
-  devices, looked for after the first step and at the first save: state that
-  devices bring together only every few steps (K-FAC's curvature estimates)
-  can still agree after the first step."""
+  """Warns, once per entry, of CHECKPOINT_ATTRS whose copies differ between devices,
+  after the first step and at the first save (state synced every few steps agrees at first)."""
 
   def __init__(self, experiment: Any | None):
     self._experiment = experiment  # None where this process does not save.
@@ -51,15 +41,10 @@ class DifferingCopies:
 
 
 class FirstStepChecks(periodic.EveryStepAction):
-  """A periodic action: stops the run after its first step if what `step`
-  returned cannot be logged, or if the experiment's CHECKPOINT_ATTRS cannot
-  be saved (`__init__` may leave them to the first step to build), rather
-  than at the first write or save, minutes or a whole run later; warns of
-  CHECKPOINT_ATTRS whose copies differ between devices.
+  """Stops the run after its first step if what `step` returned cannot be logged or
+  CHECKPOINT_ATTRS cannot be saved, not at the first write or save a run later.
 
-  Runs on the loop's thread, first of all actions, while the outputs are
-  what `step` returned. Later steps' outputs are checked where they are
-  read, by logging (`host_scalars_of_steps`); the loop pays for no check.
+  First of all actions; later steps' outputs are checked where logging reads them.
   """
 
   def __init__(self, experiment: Any | None, differing_copies: DifferingCopies):
@@ -84,19 +69,9 @@ def interval_type(config, specific_key: str) -> str:
   return config[specific_key] or config.interval_type
 
 
-def _format_duration(seconds: float) -> str:
-  if not math.isfinite(seconds):
-    return "?"
-  minutes, secs = divmod(int(seconds), 60)
-  hours, minutes = divmod(minutes, 60)
-  return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
 def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, Any],
                    eta: bool = True) -> str:
-  """"step 120/1000 (12.0%), 85.1 steps/s, ETA 0:00:10 | loss=0.31", from the
-  scalars of `step` (with the `steps_per_sec` a periodic action adds); no
-  ETA unless `eta`."""
+  """"step 120/1000 (12.0%), 85.1 steps/s, ETA 0:00:10 | loss=0.31"; no ETA unless `eta`."""
   scalars = dict(scalars)
   steps_per_sec = scalars.pop("steps_per_sec", None)
   parts = [f"step {step}"]
@@ -105,23 +80,26 @@ def _progress_line(step: int, training_steps: int | None, scalars: Mapping[str, 
   if steps_per_sec:
     parts.append(f"{steps_per_sec:.1f} steps/s")
     if training_steps and eta:
-      parts.append(f"ETA {_format_duration((training_steps - step) / steps_per_sec)}")
+      left = (training_steps - step) / steps_per_sec
+      if math.isfinite(left):
+        minutes, secs = divmod(int(left), 60)
+        parts.append(f"ETA {minutes // 60}:{minutes % 60:02d}:{secs:02d}")
+      else:
+        parts.append("ETA ?")
   compact = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in sorted(scalars.items()))
   return "[jaxline_ng] " + ", ".join(parts) + (f" | {compact}" if compact else "")
 
 
 class _LoggingAction(periodic.PeriodicAction):
-  """Logging and writing: each due step's scalars reach `fn` as host numbers
-  (`host_scalars_of_steps`), read from the first device's copy alone."""
+  """Logging and writing: `fn` gets host numbers, read from the first device's copy."""
 
   def _to_host(self, scalars):
     return scalars_lib.host_scalars_of_steps(scalars)
 
 
 class _SaveAction(periodic.PeriodicAction):
-  """Periodic saving: it reads no scalars (the save's non-finite check reads
-  the newest step's), and leaves the last step to the final save (`train`)."""
+  """Periodic saving: reads no scalars, and leaves the last step to `train`'s final save."""
 
   def _act_on(self, due):
     for step, _, _ in due:
@@ -140,13 +118,12 @@ def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
                              peer_positions: iterator_state.PeerPositions | None = None):
   """The non-finite guard, logging to absl, writing scalars, periodic checkpointing.
 
-  The guard sees what logging and writing copy to the host, and each save
-  is validated against the newest step before it, so a non-finite state is
-  never saved.
+  The guard sees what logging and writing read, and checks the newest step
+  before each save. Saving resumes its clock from the checkpoint's
+  `periodic_action_times`.
 
-  Periodic saving continues from the `(time, step)` it last saved at in the
-  restored run (`state.periodic_action_times`, stored with every
-  checkpoint), so a resumed run does not restart its saving clock.
+  Returns:
+    `({name: action}, save_latest)`, the latter also the final save.
   """
   start_step = state.global_step
   times = getattr(state, "periodic_action_times", None) if checkpointer.keeps_run_entries else None
@@ -155,8 +132,7 @@ def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
   growth = config.periodic_action_growth_ratios if logging_type == "steps" else None
   actions = {"non_finite_guard": guard}
 
-  # The total and ETA only where `training_steps` ends the run: code written
-  # for jaxline often leaves it at its default and ends in `should_run_step`.
+  # The total and ETA only where `training_steps`, not an override, ends the run.
   module = state.experiment_module
   ends_at = (config.training_steps if type(module).should_run_step
              is experiment_lib.AbstractExperiment.should_run_step else None)
@@ -170,15 +146,12 @@ def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
     logging.info(_progress_line(step, ends_at, values, eta=not first_line))
     first_line = False
 
-  # With a `secs` interval the first step is logged and written at once. The
-  # first rate is measured from here, as jaxline's from the loop's start (so
-  # it includes compilation); a resumed run's from its own start.
+  # The first rate is measured from here, as jaxline's (compilation included).
   actions["log"] = _LoggingAction(
       log_progress, logging_type, config.log_tensors_interval, start_time=None,
       start_step=start_step, logging_growth_ratios=growth)
 
-  # As in jaxline, a writer given to `train` gets the chief's scalars alone
-  # unless `log_all_hosts` (the platform gives other processes none).
+  # As in jaxline, only the chief's scalars unless `log_all_hosts`.
   if (writer is not None and config.log_train_data_interval is not None
       and (multihost.is_chief() or config.log_all_hosts)):
 
@@ -192,8 +165,6 @@ def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
         logging_growth_ratios=growth)
 
   saved_at = [None]
-  # jaxline_ng's checkpointers run the guard after dispatching their copies, so
-  # the devices copy while it waits; a user's checkpointer gets a checked state.
   durable = writer is not None and not isinstance(checkpointer, checkpointing.InMemoryCheckpointer)
 
   def save_latest(step=None, scalars=None):
@@ -211,7 +182,7 @@ def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
       flush_metrics(actions.get("write"), writer, config.log_all_train_data)
     if state.global_step > start_step:  # Not an initial save, before any step.
       differing_copies.look_at_the_first_save(state.global_step)
-    if checkpointer.validates_saves:
+    if checkpointer.validates_saves:  # It dispatches its copies first, then waits in the guard.
       checkpointer.save("latest", validate=guard.seal(
           then=peer_checks and peer_checks.before_save(state.global_step)))
     else:
@@ -219,8 +190,7 @@ def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
       checkpointer.save("latest")
     saved_at[0] = state.global_step
 
-  # As in jaxline: no periodic saves with an interval of 0, and growth ratios
-  # add saves too where the interval counts steps.
+  # As in jaxline: no periodic saves at interval 0; growth ratios add saves in steps.
   publishes = peer_positions is not None and bool(peer_positions.names)
   if (save_checkpoints or publishes) and config.save_checkpoint_interval > 0:
     checkpoint_type = interval_type(config, "checkpoint_interval_type")
@@ -234,15 +204,8 @@ def default_periodic_actions(config, checkpointer: checkpointing.Checkpointer,
 
 def flush_metrics(write: periodic.PeriodicAction | None, writer: writers.RunWriter,
                    log_all_train_data: bool) -> None:
-  """Puts every metric row up to the current step on disk.
-
-  A resumed run never redoes the steps a checkpoint covers, so their rows
-  must be on disk before it can be: this runs before a durable `save`, and
-  the checkpoint is committed after that, by orbax in the background. The wait is
-  for the write action's due steps (the devices finishing the current
-  step) and the writer's flush; `python -m benchmarks.metrics_before_save`
-  measures it.
-  """
+  """Puts every metric row up to the current step on disk, before a durable save:
+  a resumed run never redoes the steps a checkpoint covers."""
   if write is not None:
     if log_all_train_data:
       write.finish()  # Every step's row is kept: those since the last write are held back.

@@ -16,7 +16,6 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import jax
 import ml_collections
@@ -93,11 +92,8 @@ def create_checkpointer(config, mode: str) -> checkpointing.Checkpointer:
 
 
 class TensorBoardLogger(writers.TensorBoardWriter):
-  """jaxline's writer class, kept for code that builds or subclasses it:
-  TensorBoard events in `<checkpoint_dir>/<mode>`. As in jaxline, its
-  TensorFlow writer `self._writer` exists from the start, and each write is
-  on disk when it returns (code that uses it may never close it).
-  `create_writer` is what the platform uses (with `metrics.jsonl` too)."""
+  """jaxline's writer class, for code that builds or subclasses it: TensorBoard events in
+  `<checkpoint_dir>/<mode>`, each write on disk when it returns (it may never be closed)."""
 
   def __init__(self, config, mode: str):
     super().__init__(os.path.join(config.checkpoint_dir, mode))
@@ -115,10 +111,8 @@ class TensorBoardLogger(writers.TensorBoardWriter):
 def create_writer(config, mode: str):
   """A TensorBoard + JSONL writer for `<checkpoint_dir>/<mode>`, or None.
 
-  Only the chief process writes unless `config.log_all_hosts`; other
-  processes then write to `<checkpoint_dir>/<mode>/process_<i>`. Writes go
-  through a background thread when `config.log_async`; TensorBoard only
-  when `config.tensorboard`.
+  Only the chief writes unless `config.log_all_hosts`; other processes then
+  write to `<checkpoint_dir>/<mode>/process_<i>`.
   """
   if not (distributed.is_chief() or config.log_all_hosts):
     return None
@@ -133,26 +127,18 @@ def create_writer(config, mode: str):
 
 
 def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
-  """Parses flags and starts absl logging when `main` is called without `app.run`.
-
-  Published code calls `platform.main(Experiment, sys.argv[1:])` directly;
-  that argv has no program name (`sys.argv` itself, with it, is taken too).
-  Some (tapnet) do so from the `main` of `app.run`, which has parsed the
-  flags already: jaxline ignored `argv`, so the command line passed on
-  again is not taken for extra arguments.
-  """
+  """Parses flags and starts absl logging when `main` is called without `app.run`
+  (`argv` with or without the program name; once parsed, jaxline ignored it)."""
   if FLAGS.is_parsed():
     return sys.argv[:1] if argv and list(argv) == sys.argv[1:] else argv
   if argv and list(argv) == sys.argv:
     argv = argv[1:]
-  # ml_collections takes `--config.key=value` overrides from `sys.argv`, not
-  # from the arguments parsed: they must be the same list.
+  # ml_collections takes `--config.key=value` overrides from `sys.argv` itself.
   sys.argv = [sys.argv[0], *argv]
   try:
     argv = FLAGS(sys.argv)
   except flags.Error as e:
     raise SystemExit(f"jaxline_ng: error: {e}") from None
-  # What `app.run` sets up, so that progress is logged as under it.
   logging.use_absl_handler()
   if FLAGS["verbosity"].using_default_value:
     FLAGS.verbosity = 0
@@ -160,11 +146,8 @@ def _parse_flags_if_needed(argv: Sequence[str]) -> Sequence[str]:
 
 
 def _writer_and_record(config, mode: str):
-  """The writer for `<checkpoint_dir>/<mode>`, with `run.json` beside it (chief only).
-
-  Writing the record first also checks the directory is usable, so a bad
-  `checkpoint_dir` fails here with one line rather than later on a thread.
-  """
+  """The writer for `<checkpoint_dir>/<mode>`, after the chief's `run.json` there (which
+  finds a bad `checkpoint_dir` in one line, not later on a thread)."""
   if distributed.is_chief():
     logdir = os.path.join(config.checkpoint_dir, mode)
     try:
@@ -184,8 +167,7 @@ def _close(writer) -> None:
 
 def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
   with contextlib.ExitStack() as locks:
-    # The chief's locks stand for the whole run (see `run_lock`); taken
-    # before anything is written, so a refused run changes nothing.
+    # Taken before anything is written, so a refused run changes nothing.
     if distributed.is_chief():
       try:
         locks.enter_context(run_lock.held(config.checkpoint_dir, mode))
@@ -199,13 +181,8 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
 
 
 def _check_checkpoint_dir_is_shared(checkpoint_dir: str, mode: str) -> None:
-  """Raises MultihostError unless every process sees the lock the chief holds there
-  (read once the chief has published its own).
-
-  Every process restores disk checkpoints from `checkpoint_dir`, and in mesh
-  mode writes its shards there: on storage that is not shared, mesh saves
-  wait for each other until orbax's barrier times out minutes later.
-  """
+  """Raises MultihostError unless every process sees the chief's lock there: else mesh
+  saves wait for each other until orbax's barrier times out minutes later."""
   agreement.check_same_as_chief(
       "sees config.checkpoint_dir",
       lambda: {"its lock": run_lock.holder(checkpoint_dir, run_lock.roles(mode)[0])},
@@ -213,18 +190,17 @@ def _check_checkpoint_dir_is_shared(checkpoint_dir: str, mode: str) -> None:
 
 
 def _warn_of_unread_snapshots(checkpointer) -> None:
-  """Says so when in-memory snapshots wait in `utils.GLOBAL_CHECKPOINT_DICT`
-  but `checkpointer` does not read them.
-
-  Code written for jaxline resumes by putting a snapshot it saved itself
-  there before `platform.main` (deeprte); with another checkpointer the run
-  would start from step 0 without a word.
-  """
+  """Warns of in-memory snapshots in `utils.GLOBAL_CHECKPOINT_DICT` (code written for
+  jaxline may put them there to resume) that `checkpointer` does not read."""
   if isinstance(checkpointer, checkpointing.InMemoryCheckpointer):
     return
-  waiting = [f"{name} at step {_step_of(series.history[-1])}"
-             for name, series in sorted(checkpointing.GLOBAL_CHECKPOINT_DICT.items())
-             if getattr(series, "history", None)]
+  waiting = []
+  for name, series in sorted(checkpointing.GLOBAL_CHECKPOINT_DICT.items()):
+    if getattr(series, "history", None):
+      nest = getattr(series.history[-1], "pickle_nest", None)  # A ConfigDict is no Mapping.
+      step = nest.get("global_step", "?") if isinstance(
+          nest, (Mapping, ml_collections.ConfigDict)) else "?"
+      waiting.append(f"{name} at step {step}")
   if waiting:
     logging.warning("[jaxline_ng] utils.GLOBAL_CHECKPOINT_DICT holds in-memory snapshots (%s) "
                     "that this run does not restore: its checkpointer, %s, does not read them "
@@ -247,26 +223,16 @@ def _unused_disk_steps(config, checkpointer) -> str | None:
           "--config.checkpointer=disk to resume from them")
 
 
-def _step_of(snapshot) -> Any:
-  nest = getattr(snapshot, "pickle_nest", None)
-  # A ConfigDict, as saves make it, is no Mapping.
-  return (nest.get("global_step", "?") if isinstance(nest, (Mapping, ml_collections.ConfigDict))
-          else "?")
-
-
 def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> None:
-  # As jaxline: train_eval_multithreaded's trainer gets a checkpointer made
-  # for "train", its evaluator one made for "eval" (a factory may tell them apart).
+  # As jaxline: train_eval_multithreaded's trainer's is made for "train", its evaluator's "eval".
   checkpointer = checkpointing.adapt(checkpointer_factory(
       config, "train" if mode == TRAIN_EVAL_MULTITHREADED else mode))
   if checkpointer_factory is not create_checkpointer and config.checkpointer != "memory":
-    # The experiment chose its checkpointer in code; the key cannot change it.
     logging.warning("[jaxline_ng] config.checkpointer=%r has no effect: the experiment passes "
                     "its own checkpointer_factory (%s).", config.checkpointer,
                     checkpointer.class_name)
   _warn_of_unread_snapshots(checkpointer)
-  # A stopped training run whose checkpoints die with the process is not
-  # resumed by a rerun: its exit code must not ask for one.
+  # A stopped run whose checkpoints die with the process must not exit asking for a rerun.
   preemption.set_resumable(mode not in ("train", TRAIN_EVAL_MULTITHREADED)
                            or not checkpointer.in_memory_only)
   unused_disk_steps = _unused_disk_steps(config, checkpointer)
@@ -274,8 +240,7 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
     logging.warning("[jaxline_ng] Training starts afresh: %s.", unused_disk_steps)
   eval_checkpointer = (checkpointing.adapt(checkpointer_factory(config, "eval"))
                        if mode == TRAIN_EVAL_MULTITHREADED else checkpointer)
-  if distributed.is_multiprocess():
-    # Saves made before another process failed still land (later ones are vetoed).
+  if distributed.is_multiprocess():  # Saves made before a peer failed still land.
     agreement.at_peer_failure(checkpointer.wait_for_checkpointing_to_finish)
     if eval_checkpointer is not checkpointer:
       agreement.at_peer_failure(eval_checkpointer.wait_for_checkpointing_to_finish)
@@ -293,9 +258,7 @@ def _run_locked(experiment_class, config, mode: str, checkpointer_factory) -> No
     finally:
       _close(writer)
       _close(eval_writer)
-  else:
-    # In-memory checkpoints come only from training in this process, which
-    # eval modes do not run: what there is now is all there will be.
+  else:  # In-memory checkpoints come from training in this process alone: none will come.
     in_memory = checkpointer.in_memory_only
     if in_memory and not checkpointer.can_be_restored("latest") and \
         not config.eval_initial_weights:
@@ -337,29 +300,27 @@ def main(experiment_class, argv: Sequence[str],
     config = config_loading.as_config_dict(config, FLAGS["config"])
     if distributed.initialize_if_requested():
       agreement.exit_when_a_peer_fails()
-    # Signals are the run's from here. The distributed runtime, just started,
-    # takes SIGTERM for JAX's preemption service, which only training's loop
-    # consults: an eval job signalled while it set up waited forever.
+    # JAX's preemption service, which the runtime gives SIGTERM, is consulted by training alone.
     sigterm_to_jax = distributed.is_multiprocess() and mode in ("train", TRAIN_EVAL_MULTITHREADED)
     with preemption.stop_on_signals(sigterm_to_jax), debugging.eager_if_requested():
       _check_and_run(experiment_class, config, mode, checkpointer_factory)
-      if preemption.signalled():
-        # It came as the work ended (the last evaluation, the final save): the
-        # exit is still the code the log promised, and a program's code after
-        # platform.main does not run on past the signal.
+      if preemption.signalled():  # As the work ended: still the exit code the log promised.
         logging.warning("[jaxline_ng] %s came as the run ended: exiting with code %d.",
                         preemption.stop_reason(), preemption.exit_code())
         raise SystemExit(preemption.exit_code())
   except preemption.Preempted:
     raise SystemExit(preemption.exit_code()) from None
   except Exception as e:  # pylint: disable=broad-except
-    # Errors whose message says it all (bad input, a non-finite scalar, a
-    # full disk) are OneLineErrors; anything else keeps its traceback.
-    one_line = isinstance(e, errors.OneLineError)
+    one_line = isinstance(e, errors.OneLineError)  # Else it keeps its traceback.
     if distributed.is_multiprocess():
+      # Published first, so every other process exits at once with the same code.
       if one_line:
         print(f"jaxline_ng: error: {e}", file=sys.stderr)
-      _exit_now_on_failure(f"{type(e).__name__}: {e}", with_traceback=not one_line)
+      else:
+        logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the "
+                          "others.", jax.process_index())
+      agreement.publish_failure(f"{type(e).__name__}: {e}".splitlines()[0], 1)
+      agreement.exit_after_failure(1)
     if one_line:
       raise SystemExit(f"jaxline_ng: error: {e}") from None
     raise
@@ -375,22 +336,17 @@ def _check_and_run(experiment_class, config, mode: str, checkpointer_factory) ->
     disk_checkpointing.check_checkpoint_dir(config.checkpoint_dir)
   check_mode(mode)
   if distributed.is_multiprocess() and debugging.pmap_jit_disabled():
-    # chex makes each process's pmaps vmaps over its own devices: the
-    # processes would train apart and wait forever on each other's saves.
     raise base_config.ConfigError(
         "--jaxline_disable_pmap_jit runs pmap as a vmap over this process's devices alone, "
         "so several processes would train apart: debug with one process")
-  # Processes launched differently would wait on each other's steps and
-  # collectives until a runtime timeout naming nothing. JAX takes process 0's
-  # count when others give another: a wrong count is named too.
+  # Else they would wait on each other until a runtime timeout naming nothing.
   agreement.check_same_as_chief("was launched", lambda: {
       "--jaxline_mode": mode, "--jaxline_num_processes": FLAGS.jaxline_num_processes,
       "local devices": jax.local_device_count(),  # A pmap over uneven counts fails unnamed.
       # Collectives over other dtypes abort; other keys make replicas differ.
       "jax_enable_x64": jax.config.jax_enable_x64,
       "jax_default_prng_impl": jax.config.jax_default_prng_impl,
-      # Hosts may mount one checkpoint_dir at different paths: whether theirs
-      # is one directory is checked by its lock (`_check_checkpoint_dir_is_shared`).
+      # One checkpoint_dir may be mounted at different paths: its lock is compared instead.
       **{f"config.{key}": value for key, value in run_record.flat_config(config).items()
          if key != "checkpoint_dir"}},
       "every process of a run takes the same mode and config")
@@ -399,17 +355,3 @@ def _check_and_run(experiment_class, config, mode: str, checkpointer_factory) ->
   config_loading.warn_if_eval_dir_differs(config)
   logging.info("[jaxline_ng] mode=%s checkpoint_dir=%s", mode, config.checkpoint_dir)
   debugging.debugger_fallback(_run)(experiment_class, config, mode, checkpointer_factory)
-
-
-def _exit_now_on_failure(message: str, with_traceback: bool = True) -> None:
-  """Ends a failed process of a multi-process run, and with it the others.
-
-  The failure is published first (`agreement.publish_failure`), so every
-  other process exits with the same code at once; then this one exits
-  (`agreement.exit_after_failure`). The writers were closed on the way out.
-  """
-  if with_traceback:
-    logging.exception("[jaxline_ng] Process %d failed; exiting without waiting for the others.",
-                      jax.process_index())
-  agreement.publish_failure(message.splitlines()[0] if message else "", 1)
-  agreement.exit_after_failure(1)

@@ -1,10 +1,5 @@
-"""The training loop, and training with evaluation beside it in one process.
-
-`train` sets up state and periodic actions around the experiment's
-`train_loop`; `train_eval_multithreaded` runs it on a thread while the main
-thread runs `evaluation.evaluate` (also reachable here as `train.evaluate`,
-jaxline's name).
-"""
+"""Training: state and periodic actions set up around the experiment's `train_loop`,
+alone or on a thread beside evaluation (`train.evaluate` is jaxline's name for it)."""
 
 import json
 import os
@@ -37,8 +32,7 @@ from jaxline_ng import experiment as experiment_lib
 from jaxline_ng import mesh as mesh_lib
 from jaxline_ng.evaluation import evaluate
 
-# In train_eval_multithreaded the evaluator shares the process with training
-# and looks more often: checking for a new in-memory checkpoint is free.
+# train_eval_multithreaded's evaluator looks often: an in-memory checkpoint costs nothing to see.
 MULTITHREADED_EVAL_POLL_SECS = 0.2
 
 
@@ -52,11 +46,10 @@ def train(experiment_class, config, checkpointer, writer,
           periodic_actions: Sequence[periodic.PeriodicAction] = ()) -> None:
   """Trains `experiment_class` until its `should_run_step` says stop.
 
-  Resumes from the checkpointer's `latest` series when it has a checkpoint.
-  The chief process (or every process, with `train_checkpoint_all_hosts`)
-  checkpoints periodically and at the end. When a stop is requested
-  (`preemption`), the loop ends after the current step, the state is saved
-  and flushed as at a normal end, and `preemption.Preempted` is raised.
+  Resumes from the `latest` series if it has a checkpoint; saves periodically
+  and at the end. On a stop request (`preemption`) the loop ends after the
+  current step, saves and flushes as at a normal end, then raises
+  `preemption.Preempted`.
   """
   base_config.add_keys_beyond_jaxline(config)
   checkpointer = checkpointing.adapt(checkpointer)
@@ -67,7 +60,6 @@ def train(experiment_class, config, checkpointer, writer,
   mesh_lib.activate(config)
   multihost.own_collectives()
 
-  # --- State: construct the experiment, then restore over it. ---
   xla_cpu.check_pool()
   train_key, init_key = rng.seed_keys(config.random_seed, config.legacy_random_seed_behavior)
   with experiment_lib.log_activity("experiment init"):
@@ -82,9 +74,15 @@ def train(experiment_class, config, checkpointer, writer,
   if resumed:
     with experiment_lib.log_activity("checkpoint restore"):
       checkpointer.restore("latest")
-    if checkpointer.keeps_run_entries:
-      _check_resumed_config(getattr(state, "run_config", None), run_config,
-                            config.strict_resume_config)
+    saved_config = getattr(state, "run_config", None) if checkpointer.keeps_run_entries else None
+    if saved_config and (changed := run_record.differences(json.loads(saved_config),
+                                                           json.loads(run_config))):
+      if config.strict_resume_config:
+        raise base_config.ConfigError(
+            "config.strict_resume_config: the checkpoint was made with a different config: "
+            + "; ".join(changed))
+      logging.warning("[jaxline_ng] Resuming with a config that differs from the checkpoint's:"
+                      "\n  %s", "\n  ".join(changed))
     started_from = checkpointer.started_from
     if started_from and not experiment.should_run_step(state.global_step, config):
       raise base_config.ConfigError(
@@ -92,34 +90,25 @@ def train(experiment_class, config, checkpointer, writer,
           f"{state.global_step}, where its training ends (training_steps="
           f"{config.training_steps}); steps count on from the checkpoint's, so set "
           f"training_steps above {state.global_step}")
-    if not experiment.should_run_step(state.global_step, config):
-      # A rerun of a finished run, or one given fewer training_steps: it would
-      # end at once, looking like a run that trained.
+    if not experiment.should_run_step(state.global_step, config):  # Else it looks trained.
       logging.warning("[jaxline_ng] Restored step %d, where this run's training ends "
                       "(training_steps=%s): no step to train.", state.global_step,
                       config.training_steps)
   # After the restore, which builds the entries a fresh experiment leaves to `step`.
   logging.info("[jaxline_ng] Checkpointed state: %s",
                experiment_lib.describe_state(state.experiment_module))
-  # Processes that see different checkpoints (a checkpoint_dir not shared)
-  # would train together from different steps, and wait on each other's saves.
+  # Else processes would train from different steps, and wait on each other's saves.
   multihost.check_same_as_chief(
       "resumed", lambda: {"from step": int(state.global_step)},
       "every process must see the same checkpoints: give them one shared checkpoint_dir")
   if checkpointer.keeps_run_entries:
     state.run_config = run_config
   run_writer = writers.adapt(writer)  # None where this process writes nothing.
-  if run_writer is not None:
-    # Rows an interrupted run wrote past its last checkpoint are redone from
-    # here: the old ones go, in metrics.jsonl and TensorBoard alike (an
-    # earlier run's, when there is no checkpoint, are set aside).
+  if run_writer is not None:  # Rows past the checkpoint are redone: the old ones go.
     run_writer.resume(state.global_step)
 
-  # --- Periodic actions: user's, then safety, logging, checkpointing, stops. ---
   guard = guards.NonFiniteGuard(config.non_finite_policy, start_step=state.global_step)
-  # With several processes the chief's saves wait for the others' guards,
-  # unless every process saves: its own tree (`train_checkpoint_all_hosts`),
-  # or its shards of global arrays, whose scalars every process sees alike.
+  # The chief's saves wait for the other processes' guards, unless every process saves.
   peer_checks = None
   if multihost.is_multiprocess() and not every_host_saves:
     peer_checks = guards.PeerChecks(guard)
@@ -130,7 +119,6 @@ def train(experiment_class, config, checkpointer, writer,
   peer_positions = None
   if multihost.is_multiprocess() and not checkpointer.in_memory_only:
     peer_positions = iterator_state.PeerPositions(config, state.experiment_module)
-  # Every process runs the saves where each hands its data positions to the chief's.
   saves = save_checkpoints or bool(peer_positions and peer_positions.names)
   default_actions, save_latest = loop_actions.default_periodic_actions(
       config, checkpointer, run_writer, state, save_checkpoints, guard, differing_copies,
@@ -154,21 +142,16 @@ def train(experiment_class, config, checkpointer, writer,
   if config.save_initial_train_checkpoint and saves and not resumed:
     save_latest()
 
-  # --- The loop, then the final step's logging and save. ---
   preempted = None
   try:
     try:
       state.experiment_module.train_loop(config, state, actions, writer)
     except preemption.Preempted as e:
       logging.warning("[jaxline_ng] %s: saving and exiting.", e)
-      if threading.current_thread() is threading.main_thread():
-        # Served, so a later run in this program starts afresh. The trainer
-        # of `train_eval_multithreaded` leaves it to the evaluator (the main
-        # thread), which must see it too.
+      if threading.current_thread() is threading.main_thread():  # Else the evaluator's to see.
         preemption.consume_stop_request()
       preempted = e
     except SystemExit as e:
-      # Saves made before it stand; nothing after them is saved.
       raise StepExitError(
           f"step raised SystemExit({e.code!r}) at step {state.global_step} (sys.exit() in "
           "the experiment or a library it calls): the run failed; its last saved checkpoint "
@@ -182,9 +165,7 @@ def train(experiment_class, config, checkpointer, writer,
         save_latest()
   except BaseException as error:
     stuck_steps.close()
-    # The rows of the steps run are written before the writer closes (one
-    # closed under a queued write would raise a second, misleading error), and
-    # saves made before the error still land (the guard vetoes any it covers).
+    # Rows and saves made before the error still land (the guard vetoes any it covers).
     if peer_checks is not None and not save_checkpoints and isinstance(error, Exception):
       peer_checks.answer_before_failing()
     for action in own_actions:
@@ -199,7 +180,6 @@ def train(experiment_class, config, checkpointer, writer,
         logging.exception("[jaxline_ng] A pending save failed too:")
     raise
 
-  # --- Wrap-up: wait for async work. ---
   try:
     checkpointer.wait_for_checkpointing_to_finish()
     if run_writer is not None:
@@ -220,17 +200,8 @@ def train(experiment_class, config, checkpointer, writer,
 
 
 def _check_saves_agree(config, checkpointer) -> None:
-  """Refuses periodic saves by seconds where every process saves.
-
-  Each process would read its own clock and so save after another step.
-  Where every process writes its shards of one save, the processes would
-  abort at the first periodic save; where each saves its own with a
-  checkpointer that is not jaxline_ng's (`train_checkpoint_all_hosts`), each
-  would resume from another step. jaxline refused seconds for saves on every
-  host (`base_config.check_constraints`); jaxline_ng's own checkpointers
-  resume every process from the chief's saves (`restores_by_path`), or
-  never resume another process (`in_memory_only`).
-  """
+  """Refuses periodic saves by seconds where every process saves: each would read its
+  own clock, and save (and so resume) after another step, as jaxline refused."""
   checkpoint_type = loop_actions.interval_type(config, "checkpoint_interval_type")
   if checkpoint_type == "steps" or config.save_checkpoint_interval <= 0:
     return
@@ -250,38 +221,18 @@ def _check_saves_agree(config, checkpointer) -> None:
       "to a number of steps")
 
 
-def _check_resumed_config(saved: str | None, current: str, strict: bool) -> None:
-  """Logs (or, if `strict`, refuses) config keys that differ from the checkpoint's."""
-  if saved is None:
-    return
-  changed = run_record.differences(json.loads(saved), json.loads(current))
-  if not changed:
-    return
-  if strict:
-    raise base_config.ConfigError(
-        "config.strict_resume_config: the checkpoint was made with a different config: "
-        + "; ".join(changed))
-  logging.warning("[jaxline_ng] Resuming with a config that differs from the checkpoint's:\n  %s",
-                  "\n  ".join(changed))
-
-
 @debugging.disable_pmap_jit  # As jaxline's: for callers other than platform.main.
 def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
                              eval_writer=None, eval_checkpointer=None) -> None:
-  """Trains on a background thread while the main thread evaluates.
+  """Trains on a background thread while the main thread evaluates (mode as jaxline's).
 
-  The evaluator's experiment is constructed with mode
-  "train_eval_multithreaded", as in jaxline. If training raises, evaluation
-  stops after the evaluation in progress and the training error is raised
-  here (jaxline hung forever).
-  The evaluator restores through `eval_checkpointer` (default: `checkpointer`),
-  which must see the trainer's saves.
+  If training raises, evaluation stops after the one in progress and the
+  training error is raised here (jaxline hung forever). The evaluator
+  restores through `eval_checkpointer` (default `checkpointer`).
 
   Raises:
-    base_config.ConfigError: with several processes. Nothing orders the
-      evaluator's thread against training's, so their collectives (a pmean
-      of gradients, a psum of metrics) would reach the devices in another
-      order in each process, which aborts or hangs the run.
+    base_config.ConfigError: with several processes, whose two threads'
+      collectives would reach the devices in another order in each process.
   """
   if multihost.is_multiprocess():
     raise base_config.ConfigError(
@@ -289,9 +240,7 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
         "evaluator's collectives would interleave with training's in another order in each "
         "process and abort the run; run --jaxline_mode=eval as a job of its own beside training")
   checkpointer = checkpointing.adapt(checkpointer)
-  if eval_writer is not None and not checkpointer.can_be_restored("latest"):
-    # Training starts at step 0 (`train` sets its own writer's earlier rows
-    # aside): so do the evaluator's, before it can write.
+  if eval_writer is not None and not checkpointer.can_be_restored("latest"):  # As `train`'s.
     writers.adapt(eval_writer).resume(0)
   training_errors: list[BaseException] = []
 
@@ -300,17 +249,12 @@ def train_eval_multithreaded(experiment_class, config, checkpointer, writer,
       train(experiment_class, config, checkpointer, writer)
     except BaseException as e:  # pylint: disable=broad-except  (re-raised on the main thread)
       training_errors.append(e)
-      if not preemption.stop_requested():
-        # The evaluator ends after the evaluation in progress, as at a stop
-        # request: evaluating the newer checkpoints too would keep a failed
-        # run going for hours.
+      if not preemption.stop_requested():  # The evaluator ends after its evaluation.
         preemption.request_stop("the training thread's failure")
 
   trainer = threading.Thread(target=run_training, name="jaxline_ng_train", daemon=True)
   trainer.start()
-  # A stop request stops the trainer too, which saves first: it is waited
-  # for. If evaluation fails, the trainer is asked to stop and waited for,
-  # so its last save lands and the evaluation's error is the one reported.
+  # The trainer is waited for, so its last save lands; the evaluation's error is raised.
   try:
     evaluate(experiment_class, config,
              checkpointer if eval_checkpointer is None else eval_checkpointer, eval_writer,

@@ -1,16 +1,8 @@
 """Metric writers: the protocols, fan-out, a background writer and an adapter.
 
-A run logs through `make_writer`, which returns an `AsyncWriter` around the
-TensorBoard and JSONL writers of `metric_files`. The training loop only
-enqueues: converting device arrays to host memory, importing TensorFlow and
-touching the disk all happen on one background thread, while a bounded
-queue keeps a slow disk from growing memory without limit. Failures of that
-thread surface on the training thread at its next call, and queued data is
-written out at normal interpreter exit.
-
-The loop flushes, closes and resumes its writers; jaxline's protocol asks
-only for two writes. `adapt` turns any writer into a `RunWriter`, so the
-loop calls those methods without asking whether they exist.
+A run logs through `make_writer`: an `AsyncWriter` around the TensorBoard and
+JSONL writers of `metric_files`, so the loop only enqueues. `adapt` gives any
+writer of jaxline's protocol the `flush`, `close` and `resume` the loop calls.
 """
 
 import atexit
@@ -35,22 +27,17 @@ __all__ = ["AsyncWriter", "JsonlWriter", "MetricsWriteError", "MultiWriter", "Ru
            "TensorBoardWriter", "WriteInputError", "Writer", "WriterAdapter", "WriterError",
            "adapt", "make_writer"]
 
-# Enough to absorb a slow flush without stalling training, while the device
-# buffers referenced by queued writes stay negligible.
+# Absorbs a slow flush; the device buffers queued writes hold stay negligible.
 _DEFAULT_MAX_QUEUE_SIZE = 128
-
-# AsyncWriter flushes its writer after this long without work, so what was
-# written shows in TensorBoard and metrics.jsonl while the run goes on.
+# AsyncWriter flushes after this long idle, so what was written shows while the run goes on.
 _IDLE_FLUSH_SECONDS = 0.5
 
 
 class Writer(Protocol):
   """jaxline's writer protocol: sink for metrics, keyed by training step.
 
-  Values may be Python numbers, NumPy arrays or scalars, or `jax.Array`s
-  (possibly still being computed). Names may contain `/`, e.g. `score/eval`.
-  jaxline_ng's writers also have `write_histograms(step, {name: array})` and
-  `write_texts(step, {name: str})` (TensorBoard renders text as Markdown).
+  Values may be Python numbers, NumPy values or `jax.Array`s; names may contain
+  `/`. jaxline_ng's writers also have `write_histograms` and `write_texts`.
   """
 
   def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
@@ -78,19 +65,14 @@ class RunWriter(Writer, Protocol):
 
 
 class WriterAdapter:
-  """A writer of jaxline's protocol as a `RunWriter`.
-
-  Every write is passed on (a writer without `write_histograms` or
-  `write_texts` raises AttributeError for them, as it would unwrapped), as
-  are `flush`, `close` and `resume` where the writer has them; where it
-  does not, they do nothing: a jaxline writer keeps what it wrote.
-  """
+  """A writer of jaxline's protocol as a `RunWriter`: every call is passed on; `flush`,
+  `close` and `resume` do nothing where it lacks them (it keeps what it wrote)."""
 
   def __init__(self, writer: Writer):
     self.wrapped = writer
-    self._flush = getattr(writer, "flush", None)
-    self._close = getattr(writer, "close", None)
-    self._resume = getattr(writer, "resume", None)
+    self._flush = getattr(writer, "flush", lambda: None)
+    self._close = getattr(writer, "close", lambda: None)
+    self._resume = getattr(writer, "resume", lambda global_step, **kwargs: None)
 
   def write_scalars(self, global_step: int, scalars: Mapping[str, Any]) -> None:
     self.wrapped.write_scalars(global_step, scalars)
@@ -105,16 +87,13 @@ class WriterAdapter:
     self.wrapped.write_texts(global_step, texts)
 
   def flush(self) -> None:
-    if self._flush is not None:
-      self._flush()
+    self._flush()
 
   def close(self) -> None:
-    if self._close is not None:
-      self._close()
+    self._close()
 
   def resume(self, global_step: int, **kwargs: Any) -> None:
-    if self._resume is not None:
-      self._resume(global_step, **kwargs)
+    self._resume(global_step, **kwargs)
 
 
 def adapt(writer: Writer | None) -> RunWriter | None:
@@ -141,20 +120,15 @@ class WriterErrorInOneLine(WriterError, errors.OneLineError):
 
 
 def _background_failure(error: BaseException) -> WriterError:
-  """What the caller's thread raises for `error` of a background write: one
-  line (naming the file) when `error` says all there is to say."""
+  """What the caller's thread raises for `error` of a background write."""
   if isinstance(error, errors.OneLineError):
     return WriterErrorInOneLine(f"metric writing failed: {error}")
   return WriterError(f"Background metric writing failed: {error!r}")
 
 
 class MultiWriter:
-  """Forwards every call to each of several writers (`adapt`ed), in order.
-
-  Every writer is called even if an earlier one raises, so one broken sink
-  neither starves the others nor keeps them open; the first exception is
-  then re-raised, with the others attached as notes.
-  """
+  """Forwards every call to each of several writers (`adapt`ed), in order: each is
+  called even if an earlier one raises; the first error is raised, others as notes."""
 
   def __init__(self, writers: Sequence[Writer]):
     self._writers = tuple(adapt(writer) for writer in writers)
@@ -193,33 +167,19 @@ class MultiWriter:
     self._call_all("close")
 
 
-# Values of these types are on the host already: the writer thread passes
-# them on without `jax.device_get`, which walks the row (logging every step
-# writes a row a step).
+# On the host already: passed on without `jax.device_get`, which walks the row.
 _HOST_TYPES = (int, float, str, np.ndarray, np.generic)
 
 
 class AsyncWriter:
   """Runs a synchronous writer (`adapt`ed) on a `background.Worker`'s thread.
 
-  The calling thread only enqueues (a shallow copy of the mapping: NumPy
-  arrays passed in must not be mutated afterwards). The worker's thread
-  moves device values to host memory with `jax.device_get` and calls the
-  wrapped writer, so writes land in call order. Once `max_queue_size` calls are
-  pending, writing blocks until the worker catches up.
-
-  If the wrapped writer raises, this writer is failed for good: later writes
-  are dropped, and every later `write_*`, `flush` and `close` raises a
-  `WriterError` whose `__cause__` is the original exception.
-
-  Queued writes reach disk at normal interpreter exit: `close` is registered
-  with `atexit`, so it runs once all non-daemon threads are done writing.
-  Before that, as the main thread ends, the worker writes out everything
-  queued so far, because the first write may import TensorFlow, and
-  libraries it loads (h5py) crash the interpreter if imported during `atexit`.
-
-  `close` may run in a signal handler that interrupted the training thread
-  mid-write (see `background`). A write racing with `close` may be dropped.
+  The caller only enqueues a shallow copy of each mapping (NumPy arrays passed
+  must not be mutated after); the worker reads device values to the host and
+  writes, in call order. Once `max_queue_size` calls are pending, writing
+  blocks. A failed write fails the writer for good: every later call raises a
+  `WriterError` whose `__cause__` is the error. `close` is registered with
+  `atexit`, so queued writes reach disk at normal exit.
 
   Args:
     writer: the writer to run in the background.
@@ -258,30 +218,18 @@ class AsyncWriter:
     self._submit(_write, self._writer.write_texts, global_step, dict(texts))
 
   def resume(self, global_step: int, **kwargs: Any) -> None:
-    """Has the wrapped writer drop what an interrupted run wrote past
-    `global_step` (see `JsonlWriter.resume`, `TensorBoardWriter.resume`).
-
-    Queued, not waited for: it runs before every later write, and the
-    run's start does not wait for TensorFlow's import, which precedes it.
-    """
+    """Queued, not waited for: it runs before every later write."""
     self._submit(functools.partial(self._writer.resume, **kwargs), global_step)
 
   def flush(self) -> None:
-    """Blocks until every earlier write is on disk.
-
-    Once closed, everything is on disk already, so this only re-raises a
-    failure.
-    """
+    """Blocks until every earlier write is on disk (once closed: re-raises a failure)."""
     if not self._closed:
       self._worker.submit(self._writer.flush)
     self._worker.wait()
 
   def close(self) -> None:
-    """Writes out everything queued, stops the worker, then closes the wrapped writer.
-
-    The wrapped writer is closed on this thread (the worker's has ended),
-    even after a failure, to release its files.
-    """
+    """Writes out everything queued, stops the worker, then closes the wrapped writer
+    (even after a failure, to release its files)."""
     if self._closed:
       self._worker.close()  # Only re-raises a failure.
       return
@@ -301,11 +249,9 @@ def _write(write: Callable[[int, Any], None], global_step: Any, values: dict[str
 
 
 def make_writer(logdir: str, *, use_async: bool = True, tensorboard: bool = True) -> RunWriter:
-  """The writer a run logs through: TensorBoard plus `metrics.jsonl`.
+  """The writer a run logs through: TensorBoard plus `metrics.jsonl` in `logdir`.
 
-  Both go to `logdir`. With `use_async`, they run behind an `AsyncWriter`.
-  Construction does no I/O and does not import TensorFlow; a bad `logdir`
-  is reported by the first write (or, asynchronously, the call after it).
+  Construction does no I/O and does not import TensorFlow.
 
   Args:
     logdir: the directory both write to.
