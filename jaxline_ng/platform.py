@@ -177,6 +177,10 @@ def _run(experiment_class, config, mode: str, checkpointer_factory) -> None:
             f"{f' at {e.filename}' if e.filename else ''}: {e.strerror or e}") from None
     if config.checkpointer == "disk":
       _check_checkpoint_dir_is_shared(config.checkpoint_dir, mode)
+      # Process 0 keeps its lock until every process has looked: a failure of
+      # its own just after would release it, and a slower process would then
+      # report a directory it does not share rather than that failure.
+      agreement.rendezvous("checkpoint_dir_checked")
     _run_locked(experiment_class, config, mode, checkpointer_factory)
 
 
