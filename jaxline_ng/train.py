@@ -56,7 +56,7 @@ def train(experiment_class, config, checkpointer, writer,
   every_host_saves = checkpointing.every_host_saves(
       checkpointer, "train_checkpoint_all_hosts", config)
   save_checkpoints = multihost.is_chief() or every_host_saves
-  _check_saves_agree(config, checkpointer)
+  _check_saves_agree(config, checkpointer, every_host_saves)
   mesh_lib.activate(config)
   multihost.own_collectives()
 
@@ -199,7 +199,7 @@ def train(experiment_class, config, checkpointer, writer,
     raise preempted
 
 
-def _check_saves_agree(config, checkpointer) -> None:
+def _check_saves_agree(config, checkpointer, every_host_saves: bool) -> None:
   """Refuses periodic saves by seconds where every process saves: each would read its
   own clock, and save (and so resume) after another step, as jaxline refused."""
   checkpoint_type = loop_actions.interval_type(config, "checkpoint_interval_type")
@@ -208,8 +208,7 @@ def _check_saves_agree(config, checkpointer) -> None:
   if checkpointer.every_process_saves:
     why = ("every process of this multi-process mesh run writes its shards of each save, so "
            "all must save after the same step")
-  elif (multihost.is_multiprocess() and config.train_checkpoint_all_hosts
-        and not (checkpointer.restores_by_path or checkpointer.in_memory_only)):
+  elif multihost.is_multiprocess() and every_host_saves and not checkpointer.in_memory_only:
     why = (f"with config.train_checkpoint_all_hosts=True each process saves its own, and "
            f"{checkpointer.class_name} would resume each from another step")
   else:
