@@ -169,9 +169,14 @@ def add_keys_beyond_jaxline(config: ml_collections.ConfigDict) -> None:
                "using their defaults.", ", ".join(added))
 
 
+def _is_int(value) -> bool:
+  """An int, not a bool (which is an int to Python)."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_number(value) -> bool:
-  """An int or float, not a bool (which is an int to Python)."""
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
+  """An int or float, not a bool."""
+  return _is_int(value) or isinstance(value, float)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -263,11 +268,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         "0 <= first < stop")
 
   seed = config.random_seed
-  if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+  if not _is_int(seed) or not -2**63 <= seed < 2**63:
     raise ConfigError(f"config.random_seed={seed!r} must be an int that fits in 64 bits")
 
   steps = config.training_steps
-  if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+  if steps is not None and (not _is_int(steps) or steps < 0):
     raise ConfigError(f"config.training_steps={steps!r} must be a non-negative int or None")
   if steps is not None and steps > rng.MAX_STEP:
     raise ConfigError(f"config.training_steps={steps!r} is beyond {rng.MAX_STEP}, the most steps "
@@ -308,7 +313,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                       "(off) or None (the default)")
 
   keep = config.max_checkpoints_to_keep
-  if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+  if not _is_int(keep) or keep < 1:
     raise ConfigError(
         f"config.max_checkpoints_to_keep={keep!r} must be an int >= 1")
 
